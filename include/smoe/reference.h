@@ -1,0 +1,194 @@
+// smoe/reference.h -- float64 CPU reference of the whole MoE layer.
+//
+// Plain C++17, no CUDA. Every GPU kernel of the library is judged against these functions.
+// They are written for clarity, not speed: use small shapes.
+//
+// Notation: T tokens, d hidden size, n expert intermediate size, E experts, K experts per token.
+// "Entries" are (token, expert, score) triples of a routing, stored token-major (CSR by token):
+// for top-K routing entry j = t*K + k. "Grouped rows" are the same entries sorted by expert, then
+// by entry index (a stable sort), which is the row order of every grouped GEMM.
+//
+// Layouts (identical to the GPU library, see smoe/smoe.h):
+//   x         [T][d]            row-major
+//   w_router  [E][d]            logits = x w_router^T   (nn.Linear weight layout)
+//   w1        [E][2n][d]        gate/up INTERLEAVED by row: row 2j is gate column j, row 2j+1 is
+//                               up column j (torchtitan: w1[e][2j] = tt.w1[e][j],
+//                               w1[e][2j+1] = tt.w3[e][j]); H = x w1_e^T
+//   w2        [E][d][n]         Y = A w2_e^T (torchtitan w2 layout)
+//   h         [rows][2n]        pre-activation, interleaved like w1, in grouped-row order
+//   a         [rows][n]         a = silu(gate) * up
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace smoe {
+namespace ref {
+
+// ---------------------------------------------------------------------------------------------
+// Routing
+// ---------------------------------------------------------------------------------------------
+
+// Top-K routing: expert[t*K+k], score[t*K+k]. The K experts of a token are ordered by descending
+// logit; equal logits go to the lower expert index. Scores are the softmax over the K chosen
+// logits (equal to softmax over E renormalised over the top K).
+struct TopKRouting {
+  int64_t T = 0;
+  int E = 0;
+  int K = 0;
+  std::vector<int32_t> expert;  // [T*K]
+  std::vector<double> score;    // [T*K]
+};
+
+TopKRouting topk_softmax_ref(const std::vector<double>& logits, int64_t T, int E, int K);
+
+// General routing: a variable number of experts per token (token rounding produces it).
+// Entries of token t are [token_offset[t], token_offset[t+1]); a token never lists an expert twice.
+struct GeneralRouting {
+  int64_t T = 0;
+  int E = 0;
+  std::vector<int64_t> token_offset;  // [T+1]
+  std::vector<int32_t> expert;        // [nnz]
+  std::vector<double> score;          // [nnz]
+  int64_t nnz() const { return token_offset.empty() ? 0 : token_offset.back(); }
+};
+
+GeneralRouting to_general(const TopKRouting& r);
+
+// Routing metadata over the entries of a routing.
+struct RoutingMetadata {
+  std::vector<int32_t> expert_frequency;     // [E]   entries routed to each expert
+  std::vector<int64_t> expert_offset;        // [E+1] exclusive prefix sum of expert_frequency
+  std::vector<int32_t> scatter_idx;          // [nnz] grouped row -> entry index (t*K+k for top-K)
+  std::vector<int32_t> reverse_scatter_idx;  // [nnz] entry index -> grouped row
+  std::vector<int32_t> gather_idx;           // [nnz] grouped row -> token
+};
+
+RoutingMetadata routing_metadata_ref(const GeneralRouting& r);
+
+// Router backward of top-K softmax: given dS[t*K+k] = dL/dscore, returns dlogits [T][E].
+// For the K chosen: dlogit_k = s_k (dS_k - sum_j dS_j s_j); zero for the others.
+std::vector<double> router_backward_ref(const TopKRouting& r, const std::vector<double>& dS);
+
+// ---------------------------------------------------------------------------------------------
+// Token rounding (SonicMoE "TR"): round each expert's count to a multiple of m_tile.
+// ---------------------------------------------------------------------------------------------
+enum class RoundingMode {
+  kNearest,     // NR-f: nearest multiple of m_tile, ties (exactly half a tile) round down
+  kUp,          // always up (ceil)
+  kDown,        // always down (floor)
+  kStochastic,  // SR-f: up with probability (f mod m_tile) / m_tile, from a seeded counter hash
+};
+
+// The rounded count of one expert. Result is clamped to [0, T] (rounding up past T is impossible:
+// an expert can take each token at most once). Stochastic mode draws u = uniform01(seed, expert)
+// (see below) and rounds up iff u < (f mod m_tile) / m_tile.
+int64_t rounded_count(int64_t f, int64_t T, int m_tile, RoundingMode mode, uint64_t seed,
+                      int expert);
+
+// The counter-based uniform draw used by kStochastic: splitmix64(seed ^ splitmix64(expert)) with
+// the top 53 bits mapped to [0, 1). Deterministic and reproducible on the GPU.
+double uniform01(uint64_t seed, int expert);
+
+// Token rounding: S = softmax(logits) over E; top-K as in topk_softmax_ref (chosen scores are the
+// softmax over the K chosen logits); S' = S - 1 everywhere, then S'[t, chosen] = chosen score, so
+// that every chosen token outranks every non-chosen one. Per expert e: f_e = number of tokens that
+// chose e; sort tokens by S'[:, e] descending (equal values: lower token first) and keep the first
+// rounded_count(f_e) tokens, padding with the best non-chosen tokens or dropping the worst chosen.
+// The score of a kept entry is the chosen score for a chosen token, S[t][e] for a padded token.
+// Output entries are token-major, ascending expert index within a token.
+GeneralRouting token_rounding_ref(const std::vector<double>& logits, int64_t T, int E, int K,
+                                  int m_tile, RoundingMode mode, uint64_t seed);
+
+// ---------------------------------------------------------------------------------------------
+// MoE layer with SwiGLU experts
+// ---------------------------------------------------------------------------------------------
+struct MoEShape {
+  int64_t T = 0;
+  int d = 0;
+  int n = 0;
+  int E = 0;
+  int K = 0;  // top-K routing only; general routing ignores it
+};
+
+struct MoEWeights {
+  std::vector<double> w_router;  // [E][d]
+  std::vector<double> w1;        // [E][2n][d], gate/up interleaved by row
+  std::vector<double> w2;        // [E][d][n]
+};
+
+// SwiGLU on one (gate, up) pair and its derivative (d/dgate, d/dup of silu(g)*u times da).
+double swiglu_ref(double g, double u);
+void dswiglu_ref(double g, double u, double da, double* dg, double* du);
+
+// Expert part of the forward for a given routing (the router is outside).
+struct ExpertForward {
+  std::vector<double> h;  // [nnz][2n] grouped-row order
+  std::vector<double> a;  // [nnz][n]  grouped-row order
+  std::vector<double> y;  // [nnz][d]  grouped-row order (only the plain chain rule needs it)
+  std::vector<double> o;  // [T][d]    o[t] = sum over entries of t: score * y[row]
+};
+
+ExpertForward experts_forward_ref(const std::vector<double>& x, const MoEShape& s,
+                                  const MoEWeights& w, const GeneralRouting& r,
+                                  const RoutingMetadata& m);
+
+struct ExpertGrads {
+  std::vector<double> dx;   // [T][d]  through the experts only
+  std::vector<double> dw1;  // [E][2n][d]
+  std::vector<double> dw2;  // [E][d][n]
+  std::vector<double> ds;   // [nnz] entry order: dL/dscore
+};
+
+// Plain chain rule through Y: dY_row = s * dO[t], dS = <dO[t], Y_row>, dA = dY W2, ...
+ExpertGrads experts_backward_chain_ref(const std::vector<double>& x, const std::vector<double>& dO,
+                                       const MoEShape& s, const MoEWeights& w,
+                                       const GeneralRouting& r, const RoutingMetadata& m,
+                                       const ExpertForward& f);
+
+// SonicMoE's rewrite, using only H (never Y): dA' = dO[t] W2 (gathered dO), A = SwiGLU(H),
+// dH = dSwiGLU(H) applied to s*dA', A' = s*A, dS = <dA', A>, dW2 = A'^T dO, dW1 = dH^T X,
+// dX[t] = sum over the entries of t of dH_row W1.
+ExpertGrads experts_backward_sonic_ref(const std::vector<double>& x, const std::vector<double>& dO,
+                                       const MoEShape& s, const MoEWeights& w,
+                                       const GeneralRouting& r, const RoutingMetadata& m,
+                                       const std::vector<double>& h);
+
+// The whole layer with the router: logits = x w_router^T, top-K softmax, metadata, experts.
+struct LayerForward {
+  std::vector<double> logits;  // [T][E]
+  TopKRouting routing;
+  GeneralRouting general;
+  RoutingMetadata meta;
+  ExpertForward experts;
+};
+
+struct LayerGrads {
+  std::vector<double> dx;        // [T][d] experts + router contribution
+  std::vector<double> dw_router;  // [E][d]
+  std::vector<double> dw1;       // [E][2n][d]
+  std::vector<double> dw2;       // [E][d][n]
+  std::vector<double> ds;        // [T*K]
+  std::vector<double> dlogits;   // [T][E]
+};
+
+enum class BackwardMethod { kChainRule, kSonic };
+
+LayerForward layer_forward_ref(const std::vector<double>& x, const MoEShape& s,
+                               const MoEWeights& w);
+LayerGrads layer_backward_ref(const std::vector<double>& x, const std::vector<double>& dO,
+                              const MoEShape& s, const MoEWeights& w, const LayerForward& f,
+                              BackwardMethod method);
+
+// Layout conversion at the boundary: torchtitan's separate gate (w1) and up (w3), each
+// [E][n][d], into the interleaved [E][2n][d] layout, and back.
+std::vector<double> interleave_gate_up(const std::vector<double>& gate,
+                                       const std::vector<double>& up, int E, int n, int d);
+void deinterleave_gate_up(const std::vector<double>& w1, int E, int n, int d,
+                          std::vector<double>* gate, std::vector<double>* up);
+
+// Relative L2 error ||a - b|| / ||b|| (returns ||a|| when b is all zero; NaN propagates).
+double rel_l2(const std::vector<double>& a, const std::vector<double>& b);
+
+}  // namespace ref
+}  // namespace smoe

@@ -1,0 +1,187 @@
+// smoe/smoe.h -- the public C++ API of the smoe library (Hopper MoE training kernels).
+//
+// Contract for every entry point:
+//   * all tensors live in caller-provided device memory; the library never allocates (no
+//     cudaMalloc, no caching allocator) and never synchronises the host with the device;
+//   * temporaries come from a caller-provided workspace whose size is given by the matching
+//     *_workspace_size() query; the workspace must be 256-byte aligned and may be reused freely
+//     once the work enqueued on the stream has finished;
+//   * all work is enqueued on the caller's stream, in order;
+//   * arguments are validated on the host BEFORE anything is enqueued: a bad argument returns a
+//     Status whose message names the argument and the rule, and nothing runs;
+//   * results are deterministic: the same inputs give bitwise-identical outputs (no float atomics).
+//
+// Shapes and notation: T tokens, d hidden size, n expert intermediate size, E experts,
+// K experts per token (top-K). TK = T*K routed rows.
+//
+// Layouts (row-major everywhere; the same as the float64 reference in smoe/reference.h):
+//   x          [T][d]        bf16
+//   w_router   [E][d]        bf16    logits = x w_router^T (fp32 accumulate, fp32 logits)
+//   w1         [E][2n][d]    bf16    gate/up INTERLEAVED by row: row 2j = gate unit j,
+//                                    row 2j+1 = up unit j. From torchtitan's w1 (gate) and
+//                                    w3 (up), each [E][n][d]: w1[e][2j] = w1_tt[e][j],
+//                                    w1[e][2j+1] = w3_tt[e][j]. Interleaving puts the gate and up
+//                                    value of one unit in the same accumulator fragment of the
+//                                    up-projection GEMM, which is what lets SwiGLU and dSwiGLU run
+//                                    in the GEMM epilogue.
+//   w2         [E][d][n]     bf16    Y = A w2_e^T (torchtitan's w2 layout)
+//   out / dout [T][d]        bf16
+//   scores     [T][K]        fp32    softmax over the K chosen logits
+//   topk_expert[T][K]        int32   chosen experts, descending logit, ties -> lower index
+//   Gradients have the layout and dtype of what they differentiate.
+//
+// Routing metadata (int32; row counts are limited to TK <= 2^31-1, element offsets inside the
+// kernels are 64-bit so T*K*d may exceed 2^31):
+//   expert_frequency   [E]    rows routed to each expert
+//   expert_offset      [E+1]  exclusive prefix sum; rows of expert e are [off[e], off[e+1])
+//   scatter_idx        [TK]   grouped row -> flat entry t*K+k (stable: by expert, then entry)
+//   reverse_scatter_idx[TK]   flat entry t*K+k -> grouped row (the inverse permutation)
+//   gather_idx         [TK]   grouped row -> token (scatter_idx / K)
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+namespace smoe {
+
+using bf16 = __nv_bfloat16;
+
+// ------------------------------------------------------------------------------------------------
+// Errors
+// ------------------------------------------------------------------------------------------------
+enum class StatusCode : int {
+  kOk = 0,
+  kInvalidArgument,    // a shape, count or pointer breaks a documented rule
+  kMisalignedPointer,  // a pointer is not aligned as documented
+  kWorkspaceTooSmall,  // workspace_bytes < the matching *_workspace_size()
+  kNotImplemented,     // declared entry point of a later milestone
+  kCudaError,          // a CUDA launch or call failed (message has cudaGetErrorString)
+};
+
+struct Status {
+  StatusCode code = StatusCode::kOk;
+  std::string message;  // empty when ok; otherwise names the argument and the rule
+  bool ok() const { return code == StatusCode::kOk; }
+};
+
+const char* status_code_name(StatusCode code);
+
+// Limits of this version.
+constexpr int kMaxExperts = 512;
+constexpr int kMaxTopK = 16;
+constexpr size_t kWorkspaceAlignment = 256;
+
+// ------------------------------------------------------------------------------------------------
+// Device-side status: numerical problems found by kernels, recorded without a host sync.
+// The record is STICKY: kernels only ever add to it, so a caller can check it once per step (or
+// once per N steps) with an asynchronous copy instead of synchronising after every layer.
+// ------------------------------------------------------------------------------------------------
+enum DeviceStatusFlag : uint32_t {
+  kStatusNonFiniteLogits = 1u << 0,  // a token had a NaN or +-Inf router logit
+};
+
+struct DeviceStatus {
+  uint32_t flags;                  // OR of DeviceStatusFlag
+  uint32_t nonfinite_tokens;       // tokens with at least one non-finite logit (saturating count)
+  int64_t first_nonfinite_token;   // smallest such token index, INT64_MAX when none
+};
+
+// Enqueue the reset of a DeviceStatus (flags 0, count 0, first = INT64_MAX).
+Status reset_device_status(DeviceStatus* status, cudaStream_t stream);
+
+// ------------------------------------------------------------------------------------------------
+// Routing: top-K softmax and routing metadata (implemented).
+// ------------------------------------------------------------------------------------------------
+enum class DType : int { kFloat32, kBFloat16 };
+
+struct RoutingProblem {
+  int64_t num_tokens = 0;  // T >= 0 (T = 0 is valid and writes only the per-expert arrays)
+  int num_experts = 0;     // 1 <= E <= kMaxExperts
+  int top_k = 0;           // 1 <= K <= min(E, kMaxTopK); T*K <= 2^31-1
+  DType logits_dtype = DType::kFloat32;
+};
+
+// Outputs, all device pointers, 4-byte aligned (status: 8-byte aligned).
+struct RoutingOutputs {
+  float* scores = nullptr;                // [T*K]
+  int32_t* topk_expert = nullptr;         // [T*K]
+  int32_t* expert_frequency = nullptr;    // [E]
+  int32_t* expert_offset = nullptr;       // [E+1]
+  int32_t* scatter_idx = nullptr;         // [T*K]
+  int32_t* reverse_scatter_idx = nullptr; // [T*K]
+  int32_t* gather_idx = nullptr;          // [T*K]
+  DeviceStatus* status = nullptr;         // sticky numerical status (see above)
+};
+
+// Host-side validation only (no CUDA calls). Returns ok or the first broken rule.
+Status routing_can_implement(const RoutingProblem& problem);
+size_t routing_workspace_size(const RoutingProblem& problem);
+
+// logits: [T][E] device array of problem.logits_dtype (fp32: 4-byte aligned, bf16: 2-byte).
+// Top-K over logits (ties go to the lower expert index), softmax over the K chosen, then the
+// metadata. A token with a NaN or Inf logit is recorded in outputs.status; NaN ranks below every
+// number. Enqueues a handful of kernels on `stream`; no host sync, no allocation.
+Status topk_routing(const RoutingProblem& problem, const void* logits,
+                    const RoutingOutputs& outputs, void* workspace, size_t workspace_bytes,
+                    cudaStream_t stream);
+
+// ------------------------------------------------------------------------------------------------
+// The MoE layer (declared here; implemented by the GPU layer milestone).
+// ------------------------------------------------------------------------------------------------
+struct MoEShape {
+  int64_t T = 0;
+  int d = 0;  // multiple of the GEMM alignment (see moe_can_implement)
+  int n = 0;
+  int E = 0;
+  int K = 0;
+};
+
+struct MoEWeights {
+  const bf16* w_router = nullptr;  // [E][d]
+  const bf16* w1 = nullptr;        // [E][2n][d] interleaved gate/up
+  const bf16* w2 = nullptr;        // [E][d][n]
+};
+
+// What forward keeps for backward lives in one caller buffer of saved_state_size(shape) bytes:
+// H [TK][2n] bf16 (pre-activation), scores, topk experts and the routing metadata: about
+// 4*T*K*n + O(T*K) bytes. Nothing of size O(T*K*d) is kept; x is the caller's own tensor.
+size_t moe_saved_state_size(const MoEShape& shape);
+size_t moe_forward_workspace_size(const MoEShape& shape);
+size_t moe_backward_workspace_size(const MoEShape& shape);
+Status moe_can_implement(const MoEShape& shape);
+
+struct MoEForwardArgs {
+  MoEShape shape;
+  const bf16* x = nullptr;  // [T][d], must stay unchanged until backward
+  MoEWeights weights;
+  bf16* out = nullptr;      // [T][d]
+  void* saved = nullptr;    // moe_saved_state_size(shape) bytes, kept until backward
+  size_t saved_bytes = 0;
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
+  DeviceStatus* status = nullptr;
+};
+
+struct MoEBackwardArgs {
+  MoEShape shape;
+  const bf16* x = nullptr;     // the same x as forward
+  MoEWeights weights;
+  const bf16* dout = nullptr;  // [T][d]
+  const void* saved = nullptr; // written by moe_forward
+  size_t saved_bytes = 0;
+  bf16* dx = nullptr;          // [T][d]
+  bf16* dw_router = nullptr;   // [E][d]
+  bf16* dw1 = nullptr;         // [E][2n][d]
+  bf16* dw2 = nullptr;         // [E][d][n]
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
+};
+
+Status moe_forward(const MoEForwardArgs& args, cudaStream_t stream);
+Status moe_backward(const MoEBackwardArgs& args, cudaStream_t stream);
+
+}  // namespace smoe

@@ -1,0 +1,59 @@
+// Internal helpers: building Status values, argument checks and CUDA error checks.
+#pragma once
+
+#include <cstdint>
+#include <sstream>
+#include <string>
+
+#include <cuda_runtime_api.h>
+
+#include "smoe/smoe.h"
+
+namespace smoe {
+namespace detail {
+
+inline Status make_status(StatusCode code, const std::string& msg) { return Status{code, msg}; }
+
+template <typename... Args>
+std::string concat(const Args&... args) {
+  std::ostringstream os;
+  (os << ... << args);
+  return os.str();
+}
+
+inline bool is_aligned(const void* p, size_t a) {
+  return (reinterpret_cast<uintptr_t>(p) % a) == 0;
+}
+
+// Checks a device pointer argument: not null, aligned to `align` bytes.
+inline Status check_ptr(const void* p, const char* fn, const char* name, size_t align) {
+  if (p == nullptr)
+    return make_status(StatusCode::kInvalidArgument,
+                       concat(fn, ": ", name, " is null (a device pointer is required)"));
+  if (!is_aligned(p, align))
+    return make_status(StatusCode::kMisalignedPointer,
+                       concat(fn, ": ", name, " = ", p, " must be ", align, "-byte aligned"));
+  return Status{};
+}
+
+inline Status cuda_status(cudaError_t e, const char* what) {
+  if (e == cudaSuccess) return Status{};
+  return make_status(StatusCode::kCudaError,
+                     concat(what, ": ", cudaGetErrorName(e), " (", cudaGetErrorString(e), ")"));
+}
+
+}  // namespace detail
+}  // namespace smoe
+
+// Return early from a function returning Status.
+#define SMOE_RETURN_IF_ERROR(expr)        \
+  do {                                    \
+    ::smoe::Status _s = (expr);           \
+    if (!_s.ok()) return _s;              \
+  } while (0)
+
+#define SMOE_CUDA_RETURN(expr) SMOE_RETURN_IF_ERROR(::smoe::detail::cuda_status((expr), #expr))
+
+// After a kernel launch: report launch-configuration errors without synchronising.
+#define SMOE_CHECK_LAUNCH(name) \
+  SMOE_RETURN_IF_ERROR(::smoe::detail::cuda_status(cudaGetLastError(), "launch of " name))

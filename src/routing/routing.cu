@@ -1,0 +1,305 @@
+// Top-K softmax routing and routing metadata on the GPU.
+//
+// Pipeline (all on `stream`, no host sync, no allocation):
+//   1. topk_softmax_kernel: one warp per token. Lane l holds logits l, l+32, ... (E <= 512, so at
+//      most 16 per lane, in registers). K rounds of a warp arg-max over (value desc, index asc)
+//      pick the experts; lane k keeps choice k, so the softmax over the K chosen is one warp sum.
+//      NaN / Inf logits are recorded in the sticky DeviceStatus (integer atomics only).
+//   2. iota -> CUB radix sort of (expert, entry) pairs on the low ceil(log2 E) bits. LSD radix sort
+//      is stable, so rows of one expert come out in entry (t*K+k) order: the scatter index.
+//   3. offsets_kernel: expert_offset[e] = lower_bound(sorted experts, e) by binary search,
+//      frequency = difference. No histogram atomics, exact and deterministic.
+//   4. inverse_kernel: reverse_scatter[scatter[r]] = r, gather[r] = scatter[r] / K.
+#include <climits>
+#include <cstdint>
+
+#include <cub/device/device_radix_sort.cuh>
+
+#include "common/check.h"
+#include "smoe/smoe.h"
+
+namespace smoe {
+namespace {
+
+constexpr int kWarpsPerBlock = 8;
+constexpr int kMaxPerLane = kMaxExperts / 32;  // 16
+constexpr int kThreads = 256;
+
+__device__ __forceinline__ float load_logit(const float* p) { return __ldg(p); }
+__device__ __forceinline__ float load_logit(const bf16* p) { return __bfloat162float(*p); }
+
+// The routing order: larger value first; equal values -> lower expert index first.
+__device__ __forceinline__ bool ranks_before(float v, int i, float bv, int bi) {
+  return v > bv || (v == bv && i < bi);
+}
+
+template <typename TIn>
+__global__ void __launch_bounds__(kWarpsPerBlock * 32)
+    topk_softmax_kernel(const TIn* __restrict__ logits, int64_t T, int E, int K,
+                        float* __restrict__ scores, int32_t* __restrict__ topk_expert,
+                        DeviceStatus* status) {
+  const int lane = threadIdx.x & 31;
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
+  if (t >= T) return;  // whole warps exit together
+  const TIn* row = logits + t * E;
+
+  float v[kMaxPerLane];
+  uint32_t taken = 0;  // bit j: expert lane+32j already chosen (or does not exist)
+  bool nonfinite = false;
+#pragma unroll
+  for (int j = 0; j < kMaxPerLane; ++j) {
+    const int e = lane + 32 * j;
+    float x = -INFINITY;
+    if (e < E) {
+      x = load_logit(row + e);
+      if (!isfinite(x)) {
+        nonfinite = true;
+        if (isnan(x)) x = -INFINITY;  // NaN ranks below every number (and is reported)
+      }
+    } else {
+      taken |= 1u << j;
+    }
+    v[j] = x;
+  }
+
+  float my_val = -INFINITY;  // lane k < K ends up holding choice k
+  int my_idx = 0;
+  for (int k = 0; k < K; ++k) {
+    float bv = -INFINITY;
+    int bi = INT_MAX;
+#pragma unroll
+    for (int j = 0; j < kMaxPerLane; ++j) {
+      const int e = lane + 32 * j;
+      if (!((taken >> j) & 1u) && ranks_before(v[j], e, bv, bi)) {
+        bv = v[j];
+        bi = e;
+      }
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+      const float ov = __shfl_xor_sync(0xffffffffu, bv, off);
+      const int oi = __shfl_xor_sync(0xffffffffu, bi, off);
+      if (ranks_before(ov, oi, bv, bi)) {
+        bv = ov;
+        bi = oi;
+      }
+    }
+    // K <= E guarantees a real expert was found (bi < E).
+    if (bi < E && (bi & 31) == lane) taken |= 1u << (bi >> 5);
+    if (lane == k) {
+      my_val = bv;
+      my_idx = bi;
+    }
+  }
+
+  // Softmax over the K chosen: the first choice is the maximum.
+  const float mx = __shfl_sync(0xffffffffu, my_val, 0);
+  float ex = (lane < K) ? expf(my_val - mx) : 0.f;
+  float sum = ex;
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+  if (lane < K) {
+    scores[t * K + lane] = ex / sum;
+    topk_expert[t * K + lane] = my_idx;
+  }
+
+  if (__any_sync(0xffffffffu, nonfinite) && lane == 0) {
+    atomicOr(&status->flags, static_cast<uint32_t>(kStatusNonFiniteLogits));
+    atomicAdd(&status->nonfinite_tokens, 1u);
+    atomicMin(reinterpret_cast<unsigned long long*>(&status->first_nonfinite_token),
+              static_cast<unsigned long long>(t));
+  }
+}
+
+__global__ void iota_kernel(uint32_t* __restrict__ p, int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    p[i] = static_cast<uint32_t>(i);
+}
+
+__device__ __forceinline__ int64_t lower_bound(const uint32_t* a, int64_t n, uint32_t key) {
+  int64_t lo = 0, hi = n;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi) >> 1;
+    if (a[mid] < key) lo = mid + 1; else hi = mid;
+  }
+  return lo;
+}
+
+__global__ void offsets_kernel(const uint32_t* __restrict__ sorted_expert, int64_t n, int E,
+                               int32_t* __restrict__ offset, int32_t* __restrict__ frequency) {
+  const int e = blockIdx.x * blockDim.x + threadIdx.x;
+  if (e > E) return;
+  const int64_t lo = lower_bound(sorted_expert, n, static_cast<uint32_t>(e));
+  offset[e] = static_cast<int32_t>(lo);
+  if (e < E) {
+    const int64_t hi = lower_bound(sorted_expert, n, static_cast<uint32_t>(e + 1));
+    frequency[e] = static_cast<int32_t>(hi - lo);
+  }
+}
+
+__global__ void inverse_kernel(const int32_t* __restrict__ scatter, int64_t n, int K,
+                               int32_t* __restrict__ reverse, int32_t* __restrict__ gather) {
+  for (int64_t r = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; r < n;
+       r += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int32_t s = scatter[r];
+    reverse[s] = static_cast<int32_t>(r);
+    gather[r] = s / K;
+  }
+}
+
+__global__ void reset_status_kernel(DeviceStatus* s) {
+  s->flags = 0;
+  s->nonfinite_tokens = 0;
+  s->first_nonfinite_token = INT64_MAX;
+}
+
+int key_bits(int E) {
+  int b = 1;
+  while ((1 << b) < E) ++b;
+  return b;
+}
+
+size_t align_up(size_t x) { return (x + kWorkspaceAlignment - 1) / kWorkspaceAlignment * kWorkspaceAlignment; }
+
+// Workspace: [sorted expert keys: TK u32][iota values: TK u32][CUB temp]
+struct RoutingWorkspace {
+  size_t keys_off = 0, vals_off = 0, cub_off = 0, cub_bytes = 0, total = 0;
+};
+
+Status plan_workspace(const RoutingProblem& p, RoutingWorkspace* ws) {
+  const int64_t tk = p.num_tokens * p.top_k;
+  ws->keys_off = 0;
+  ws->vals_off = align_up(sizeof(uint32_t) * tk);
+  ws->cub_off = ws->vals_off + align_up(sizeof(uint32_t) * tk);
+  ws->cub_bytes = 0;
+  if (tk > 0) {
+    SMOE_CUDA_RETURN(cub::DeviceRadixSort::SortPairs(
+        nullptr, ws->cub_bytes, static_cast<const uint32_t*>(nullptr), static_cast<uint32_t*>(nullptr),
+        static_cast<const uint32_t*>(nullptr), static_cast<uint32_t*>(nullptr),
+        static_cast<int>(tk), 0, key_bits(p.num_experts)));
+  }
+  ws->total = ws->cub_off + align_up(ws->cub_bytes);
+  return Status{};
+}
+
+int grid_for(int64_t n, int threads, int cap = 4096) {
+  int64_t g = (n + threads - 1) / threads;
+  if (g < 1) g = 1;
+  return static_cast<int>(g < cap ? g : cap);
+}
+
+}  // namespace
+
+Status reset_device_status(DeviceStatus* status, cudaStream_t stream) {
+  SMOE_RETURN_IF_ERROR(detail::check_ptr(status, "reset_device_status", "status", 8));
+  reset_status_kernel<<<1, 1, 0, stream>>>(status);
+  SMOE_CHECK_LAUNCH("reset_status_kernel");
+  return Status{};
+}
+
+Status routing_can_implement(const RoutingProblem& p) {
+  using detail::concat;
+  using detail::make_status;
+  const char* fn = "topk_routing";
+  if (p.num_experts < 1 || p.num_experts > kMaxExperts)
+    return make_status(StatusCode::kInvalidArgument,
+                       concat(fn, ": num_experts (E) = ", p.num_experts, " must be in [1, ",
+                              kMaxExperts, "]"));
+  if (p.top_k < 1 || p.top_k > kMaxTopK)
+    return make_status(StatusCode::kInvalidArgument,
+                       concat(fn, ": top_k (K) = ", p.top_k, " must be in [1, ", kMaxTopK, "]"));
+  if (p.top_k > p.num_experts)
+    return make_status(StatusCode::kInvalidArgument,
+                       concat(fn, ": top_k (K) = ", p.top_k, " must not exceed num_experts (E) = ",
+                              p.num_experts));
+  if (p.num_tokens < 0)
+    return make_status(StatusCode::kInvalidArgument,
+                       concat(fn, ": num_tokens (T) = ", p.num_tokens, " must be >= 0"));
+  if (p.num_tokens * static_cast<int64_t>(p.top_k) > INT32_MAX)
+    return make_status(StatusCode::kInvalidArgument,
+                       concat(fn, ": num_tokens * top_k (T*K) = ", p.num_tokens * p.top_k,
+                              " must be <= 2^31-1 (routed rows are int32 indices)"));
+  if (p.logits_dtype != DType::kFloat32 && p.logits_dtype != DType::kBFloat16)
+    return make_status(StatusCode::kInvalidArgument,
+                       concat(fn, ": logits_dtype must be kFloat32 or kBFloat16"));
+  return Status{};
+}
+
+size_t routing_workspace_size(const RoutingProblem& p) {
+  if (!routing_can_implement(p).ok()) return 0;
+  RoutingWorkspace ws;
+  if (!plan_workspace(p, &ws).ok()) return 0;
+  return ws.total;
+}
+
+Status topk_routing(const RoutingProblem& p, const void* logits, const RoutingOutputs& o,
+                    void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+  using detail::check_ptr;
+  SMOE_RETURN_IF_ERROR(routing_can_implement(p));
+  const char* fn = "topk_routing";
+  const int64_t T = p.num_tokens;
+  const int E = p.num_experts, K = p.top_k;
+  const int64_t tk = T * K;
+  const bool has_rows = tk > 0;
+  if (has_rows) {
+    SMOE_RETURN_IF_ERROR(
+        check_ptr(logits, fn, "logits", p.logits_dtype == DType::kFloat32 ? 4 : 2));
+    SMOE_RETURN_IF_ERROR(check_ptr(o.scores, fn, "outputs.scores", 4));
+    SMOE_RETURN_IF_ERROR(check_ptr(o.topk_expert, fn, "outputs.topk_expert", 4));
+    SMOE_RETURN_IF_ERROR(check_ptr(o.scatter_idx, fn, "outputs.scatter_idx", 4));
+    SMOE_RETURN_IF_ERROR(check_ptr(o.reverse_scatter_idx, fn, "outputs.reverse_scatter_idx", 4));
+    SMOE_RETURN_IF_ERROR(check_ptr(o.gather_idx, fn, "outputs.gather_idx", 4));
+    SMOE_RETURN_IF_ERROR(check_ptr(workspace, fn, "workspace", kWorkspaceAlignment));
+  }
+  SMOE_RETURN_IF_ERROR(check_ptr(o.expert_frequency, fn, "outputs.expert_frequency", 4));
+  SMOE_RETURN_IF_ERROR(check_ptr(o.expert_offset, fn, "outputs.expert_offset", 4));
+  SMOE_RETURN_IF_ERROR(check_ptr(o.status, fn, "outputs.status", 8));
+
+  RoutingWorkspace ws;
+  SMOE_RETURN_IF_ERROR(plan_workspace(p, &ws));
+  if (workspace_bytes < ws.total)
+    return detail::make_status(
+        StatusCode::kWorkspaceTooSmall,
+        detail::concat(fn, ": workspace_bytes = ", workspace_bytes,
+                       " is smaller than routing_workspace_size() = ", ws.total));
+
+  if (!has_rows) {
+    // No routed rows: every expert is empty.
+    SMOE_CUDA_RETURN(cudaMemsetAsync(o.expert_frequency, 0, sizeof(int32_t) * E, stream));
+    SMOE_CUDA_RETURN(cudaMemsetAsync(o.expert_offset, 0, sizeof(int32_t) * (E + 1), stream));
+    return Status{};
+  }
+
+  const int64_t blocks = (T + kWarpsPerBlock - 1) / kWarpsPerBlock;
+  if (p.logits_dtype == DType::kFloat32) {
+    topk_softmax_kernel<float><<<static_cast<unsigned>(blocks), kWarpsPerBlock * 32, 0, stream>>>(
+        static_cast<const float*>(logits), T, E, K, o.scores, o.topk_expert, o.status);
+  } else {
+    topk_softmax_kernel<bf16><<<static_cast<unsigned>(blocks), kWarpsPerBlock * 32, 0, stream>>>(
+        static_cast<const bf16*>(logits), T, E, K, o.scores, o.topk_expert, o.status);
+  }
+  SMOE_CHECK_LAUNCH("topk_softmax_kernel");
+
+  char* base = static_cast<char*>(workspace);
+  uint32_t* sorted_keys = reinterpret_cast<uint32_t*>(base + ws.keys_off);
+  uint32_t* iota = reinterpret_cast<uint32_t*>(base + ws.vals_off);
+  iota_kernel<<<grid_for(tk, kThreads), kThreads, 0, stream>>>(iota, tk);
+  SMOE_CHECK_LAUNCH("iota_kernel");
+
+  size_t cub_bytes = ws.cub_bytes;
+  SMOE_CUDA_RETURN(cub::DeviceRadixSort::SortPairs(
+      base + ws.cub_off, cub_bytes, reinterpret_cast<const uint32_t*>(o.topk_expert), sorted_keys,
+      iota, reinterpret_cast<uint32_t*>(o.scatter_idx), static_cast<int>(tk), 0, key_bits(E),
+      stream));
+
+  offsets_kernel<<<(E + 1 + kThreads - 1) / kThreads, kThreads, 0, stream>>>(
+      sorted_keys, tk, E, o.expert_offset, o.expert_frequency);
+  SMOE_CHECK_LAUNCH("offsets_kernel");
+  inverse_kernel<<<grid_for(tk, kThreads), kThreads, 0, stream>>>(
+      o.scatter_idx, tk, K, o.reverse_scatter_idx, o.gather_idx);
+  SMOE_CHECK_LAUNCH("inverse_kernel");
+  return Status{};
+}
+
+}  // namespace smoe

@@ -1,0 +1,113 @@
+// Argument validation of the public API. Runs without a GPU: every rejection below must happen on
+// the host, before anything touches CUDA (the pointers are fake and never dereferenced).
+#include <cstdint>
+#include <string>
+
+#include <gtest/gtest.h>
+
+#include "smoe/smoe.h"
+
+namespace {
+
+smoe::RoutingProblem problem(int64_t T, int E, int K) {
+  smoe::RoutingProblem p;
+  p.num_tokens = T;
+  p.num_experts = E;
+  p.top_k = K;
+  return p;
+}
+
+void expect_error(const smoe::Status& s, smoe::StatusCode code, const std::string& mentions) {
+  EXPECT_EQ(s.code, code) << s.message;
+  EXPECT_NE(s.message.find(mentions), std::string::npos)
+      << "message '" << s.message << "' should name '" << mentions << "'";
+}
+
+// Fake, well-aligned device addresses: validation must reject before any use.
+template <typename T>
+T* fake(uintptr_t addr) { return reinterpret_cast<T*>(addr); }
+
+smoe::RoutingOutputs fake_outputs() {
+  smoe::RoutingOutputs o;
+  o.scores = fake<float>(0x10000);
+  o.topk_expert = fake<int32_t>(0x20000);
+  o.expert_frequency = fake<int32_t>(0x30000);
+  o.expert_offset = fake<int32_t>(0x40000);
+  o.scatter_idx = fake<int32_t>(0x50000);
+  o.reverse_scatter_idx = fake<int32_t>(0x60000);
+  o.gather_idx = fake<int32_t>(0x70000);
+  o.status = fake<smoe::DeviceStatus>(0x80000);
+  return o;
+}
+
+}  // namespace
+
+TEST(RoutingValidation, RangesOfEAndK) {
+  EXPECT_TRUE(smoe::routing_can_implement(problem(10, 512, 16)).ok());
+  EXPECT_TRUE(smoe::routing_can_implement(problem(0, 1, 1)).ok());
+  expect_error(smoe::routing_can_implement(problem(10, 0, 1)), smoe::StatusCode::kInvalidArgument, "num_experts");
+  expect_error(smoe::routing_can_implement(problem(10, 513, 1)), smoe::StatusCode::kInvalidArgument, "num_experts");
+  expect_error(smoe::routing_can_implement(problem(10, 64, 0)), smoe::StatusCode::kInvalidArgument, "top_k");
+  expect_error(smoe::routing_can_implement(problem(10, 64, 17)), smoe::StatusCode::kInvalidArgument, "top_k");
+  expect_error(smoe::routing_can_implement(problem(10, 4, 5)), smoe::StatusCode::kInvalidArgument, "must not exceed num_experts");
+  expect_error(smoe::routing_can_implement(problem(-1, 4, 2)), smoe::StatusCode::kInvalidArgument, "num_tokens");
+  expect_error(smoe::routing_can_implement(problem(int64_t{1} << 28, 64, 16)), smoe::StatusCode::kInvalidArgument, "T*K");
+}
+
+TEST(RoutingValidation, RejectsBeforeLaunch) {
+  const smoe::RoutingProblem p = problem(100, 64, 8);
+  const void* logits = fake<float>(0x90000);
+  void* ws = fake<void>(0x100000);
+  // Bad shape: rejected before pointers are looked at.
+  expect_error(smoe::topk_routing(problem(100, 64, 65), logits, fake_outputs(), ws, 1 << 20, nullptr),
+               smoe::StatusCode::kInvalidArgument, "top_k");
+  // Misaligned pointers, each named.
+  expect_error(smoe::topk_routing(p, fake<char>(0x90001), fake_outputs(), ws, 1 << 20, nullptr),
+               smoe::StatusCode::kMisalignedPointer, "logits");
+  smoe::RoutingOutputs o = fake_outputs();
+  o.scatter_idx = fake<int32_t>(0x50002);
+  expect_error(smoe::topk_routing(p, logits, o, ws, 1 << 20, nullptr), smoe::StatusCode::kMisalignedPointer,
+               "outputs.scatter_idx");
+  expect_error(smoe::topk_routing(p, logits, fake_outputs(), fake<void>(0x100080), 1 << 20, nullptr),
+               smoe::StatusCode::kMisalignedPointer, "workspace");
+  o = fake_outputs();
+  o.status = fake<smoe::DeviceStatus>(0x80004);
+  expect_error(smoe::topk_routing(p, logits, o, ws, 1 << 20, nullptr), smoe::StatusCode::kMisalignedPointer,
+               "outputs.status");
+  // Null pointers.
+  o = fake_outputs();
+  o.gather_idx = nullptr;
+  expect_error(smoe::topk_routing(p, logits, o, ws, 1 << 20, nullptr), smoe::StatusCode::kInvalidArgument,
+               "outputs.gather_idx");
+  expect_error(smoe::topk_routing(p, nullptr, fake_outputs(), ws, 1 << 20, nullptr),
+               smoe::StatusCode::kInvalidArgument, "logits");
+  // bf16 logits need only 2-byte alignment.
+  smoe::RoutingProblem pb = p;
+  pb.logits_dtype = smoe::DType::kBFloat16;
+  expect_error(smoe::topk_routing(pb, fake<char>(0x90001), fake_outputs(), ws, 1 << 20, nullptr),
+               smoe::StatusCode::kMisalignedPointer, "2-byte");
+}
+
+TEST(LayerValidation, ShapeRules) {
+  smoe::MoEShape s{4096, 1536, 256, 128, 8};
+  EXPECT_TRUE(smoe::moe_can_implement(s).ok());
+  smoe::MoEShape bad = s;
+  bad.d = 100;
+  expect_error(smoe::moe_can_implement(bad), smoe::StatusCode::kInvalidArgument, "d = 100");
+  bad = s;
+  bad.n = 96;
+  expect_error(smoe::moe_can_implement(bad), smoe::StatusCode::kInvalidArgument, "n = 96");
+  bad = s;
+  bad.K = 0;
+  expect_error(smoe::moe_can_implement(bad), smoe::StatusCode::kInvalidArgument, "top_k");
+  // The saved state follows the plan 4*T*K*n + O(T*K) bytes.
+  const double plan = 4.0 * s.T * s.K * s.n;
+  const double saved = static_cast<double>(smoe::moe_saved_state_size(s));
+  EXPECT_GE(saved, plan);
+  EXPECT_LE(saved, plan + 64.0 * s.T * s.K + 1e5);
+}
+
+TEST(StatusNames, AllCodesNamed) {
+  EXPECT_STREQ(smoe::status_code_name(smoe::StatusCode::kOk), "ok");
+  EXPECT_STREQ(smoe::status_code_name(smoe::StatusCode::kMisalignedPointer), "misaligned pointer");
+}
