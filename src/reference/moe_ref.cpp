@@ -189,7 +189,7 @@ ExpertGrads experts_backward_sonic_ref(const std::vector<double>& x, const std::
       double ds = 0.0;
       for (int64_t c = 0; c < n; ++c) {
         a[c] = swiglu_ref(hr[2 * c], hr[2 * c + 1]);
-        dswiglu_ref(hr[2 * c], hr[2 * c + 1], dap[c], &dH[row * 2 * n + 2 * c],
+        dswiglu_ref(hr[2 * c], hr[2 * c + 1], sc * dap[c], &dH[row * 2 * n + 2 * c],
                     &dH[row * 2 * n + 2 * c + 1]);
         Ap[row * n + c] = sc * a[c];
         ds += dap[c] * a[c];
