@@ -3,7 +3,7 @@
 //    verifies it (the two backward derivations agree, routing metadata is consistent, token
 //    rounding lands on tile multiples).
 //  * On a Hopper GPU: runs the GPU routing against the reference and times it (CUDA events,
-//    median of many runs after warm-up).
+//    median of many runs after warm-up), then the MoE layer benchmark on one default config.
 // Usage: smoe_main [--cpu-only]
 #include <algorithm>
 #include <chrono>
@@ -16,6 +16,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include "layer_bench.h"
 #include "smoe/reference.h"
 #include "smoe/smoe.h"
 
@@ -231,7 +232,14 @@ int main(int argc, char** argv) {
     run_gpu_routing(32768, 256, 8, true);
     run_gpu_routing(32768, 512, 10, true);
     run_gpu_routing(65536, 512, 16, false);
-    std::printf("(the MoE layer benchmark joins this table when the GPU layer lands)\n");
+    // The MoE layer benchmark on one default config (OLMoE-7B shape, full T); all configs:
+    // bench_layer (docs/README.md).
+    const smoe_bench::Config cfg{"OLMoE-7B", 32768, 2048, 1024, 64, 8};
+    std::printf("\nMoE layer forward + backward, %s (T=%lld d=%d n=%d E=%d K=%d), bf16:\n", cfg.name.c_str(),
+                static_cast<long long>(cfg.T), cfg.d, cfg.n, cfg.E, cfg.K);
+    const smoe_bench::Result r = smoe_bench::run_layer(cfg, 3, 10);
+    smoe_bench::print_table({cfg}, {r});
+    if (!r.error.empty()) ++g_failures;
   }
   std::printf(g_failures ? "FAILED: %d check(s)\n" : "All checks passed.\n", g_failures);
   return g_failures ? 1 : 0;

@@ -30,9 +30,9 @@ run_step() {  # name, command...
 }
 run_step ctest bash -c "cd $BUILD && ctest --output-on-failure -j 4"
 run_step test_gpu $BUILD/test_gpu
-SMALL='GpuRouting.NonFinite*:GpuRouting.ZeroTokens:GpuRouting.WorkspaceTooSmall*:GpuRouting.Deterministic'
+SMALL='GpuRouting.NonFinite*:GpuRouting.ZeroTokens:GpuRouting.WorkspaceTooSmall*:GpuRouting.Deterministic:GpuLayer.SmallShapes*:GpuLayer.Unsupported*'
 run_step memcheck compute-sanitizer --tool memcheck --error-exitcode 9 $BUILD/test_gpu --gtest_filter="$SMALL"
-run_step racecheck compute-sanitizer --tool racecheck --error-exitcode 9 $BUILD/test_gpu --gtest_filter="$SMALL"
+run_step racecheck compute-sanitizer --tool racecheck --error-exitcode 9 $BUILD/test_gpu --gtest_filter="GpuRouting.NonFinite*:GpuRouting.Deterministic"
 run_step main $BUILD/smoe_main
 
 echo "---- test_gpu (tail) ----"; grep -E "^\[  (PASSED|FAILED)|^\[       OK|FAILED|^\[ RUN" "$OUT/test_gpu.log" | grep -v "RUN" | tail -30

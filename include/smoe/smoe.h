@@ -130,7 +130,11 @@ Status topk_routing(const RoutingProblem& problem, const void* logits,
                     cudaStream_t stream);
 
 // ------------------------------------------------------------------------------------------------
-// The MoE layer (declared here; implemented by the GPU layer milestone).
+// The MoE layer: router (fp32 logits through cuBLAS), top-K routing, SwiGLU experts, aggregation;
+// backward by SonicMoE's rewrite (no Y, no dY). A cuBLAS handle per device and host thread is
+// created on first use (one-time); its workspace is carved from the caller's workspace.
+// Requirements (moe_can_implement): d and n multiples of 64; E, K, T as for routing; x, weights,
+// out, dout, gradients 16-byte aligned; workspace 256-byte aligned.
 // ------------------------------------------------------------------------------------------------
 struct MoEShape {
   int64_t T = 0;
@@ -154,6 +158,20 @@ size_t moe_forward_workspace_size(const MoEShape& shape);
 size_t moe_backward_workspace_size(const MoEShape& shape);
 Status moe_can_implement(const MoEShape& shape);
 
+// Where each part of the saved state lives inside the caller's buffer (for inspection, tests and
+// custom kernels; the layout is private to this library version).
+struct MoESavedView {
+  bf16* h = nullptr;                    // [TK][2n] pre-activation, grouped-row order
+  float* scores = nullptr;              // [T*K]
+  int32_t* topk_expert = nullptr;       // [T*K]
+  int32_t* expert_frequency = nullptr;  // [E]
+  int32_t* expert_offset = nullptr;     // [E+1]
+  int32_t* scatter_idx = nullptr;       // [TK]
+  int32_t* reverse_scatter_idx = nullptr;  // [TK]
+  int32_t* gather_idx = nullptr;        // [TK]
+};
+MoESavedView moe_saved_state_view(const MoEShape& shape, void* saved);
+
 struct MoEForwardArgs {
   MoEShape shape;
   const bf16* x = nullptr;  // [T][d], must stay unchanged until backward
@@ -163,7 +181,7 @@ struct MoEForwardArgs {
   size_t saved_bytes = 0;
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
-  DeviceStatus* status = nullptr;
+  DeviceStatus* status = nullptr;  // sticky numerical status (NaN/Inf router logits), required
 };
 
 struct MoEBackwardArgs {

@@ -1,0 +1,331 @@
+#include "layer_bench.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <ctime>
+#include <fstream>
+#include <map>
+#include <sstream>
+
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include "moe/profile.h"
+#include "smoe/smoe.h"
+
+namespace smoe_bench {
+namespace {
+
+using bf16 = __nv_bfloat16;
+
+// ---- tiny parser for configs.json ----------------------------------------------------------------
+std::string field_string(const std::string& obj, const std::string& key) {
+  const size_t k = obj.find("\"" + key + "\"");
+  if (k == std::string::npos) return "";
+  const size_t q1 = obj.find('"', obj.find(':', k) + 1);
+  const size_t q2 = obj.find('"', q1 + 1);
+  return obj.substr(q1 + 1, q2 - q1 - 1);
+}
+int64_t field_int(const std::string& obj, const std::string& key) {
+  const size_t k = obj.find("\"" + key + "\"");
+  if (k == std::string::npos) return -1;
+  return std::stoll(obj.substr(obj.find(':', k) + 1));
+}
+
+// ---- device init ----------------------------------------------------------------------------------
+__device__ __forceinline__ uint64_t mix(uint64_t z) {
+  z += 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+__global__ void fill_normal(bf16* p, int64_t n, uint64_t seed, float scale) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const uint64_t r = mix(seed ^ mix(static_cast<uint64_t>(i)));
+    const float u1 = ((r >> 40) + 1.0f) * (1.0f / 16777217.0f);
+    const float u2 = ((r & 0xFFFFFF) + 0.5f) * (1.0f / 16777216.0f);
+    p[i] = __float2bfloat16(scale * sqrtf(-2.f * logf(u1)) * cospif(2.f * u2));
+  }
+}
+
+#define BENCH_CUDA(expr)                                                           \
+  do {                                                                             \
+    cudaError_t _e = (expr);                                                       \
+    if (_e != cudaSuccess) {                                                       \
+      r.error = std::string(#expr) + ": " + cudaGetErrorString(_e);                \
+      return r;                                                                    \
+    }                                                                              \
+  } while (0)
+#define BENCH_SMOE(expr)                       \
+  do {                                         \
+    smoe::Status _s = (expr);                  \
+    if (!_s.ok()) {                            \
+      r.error = _s.message;                    \
+      return r;                                \
+    }                                          \
+  } while (0)
+
+class StageRecorder : public smoe::profile::Recorder {
+ public:
+  std::string phase;
+  std::vector<std::pair<std::string, cudaEvent_t>> marks;
+  void mark(const char* stage, cudaStream_t stream) override {
+    cudaEvent_t e;
+    cudaEventCreate(&e);
+    cudaEventRecord(e, stream);
+    marks.emplace_back(phase + "." + stage, e);
+  }
+  // Stage time = event after the stage - previous event (the "begin" marks open each phase).
+  void collect(std::map<std::string, std::vector<float>>* out, std::vector<std::string>* order) {
+    for (size_t i = 1; i < marks.size(); ++i) {
+      if (marks[i].first.find(".begin") != std::string::npos) continue;
+      float ms = 0;
+      cudaEventElapsedTime(&ms, marks[i - 1].second, marks[i].second);
+      if (!out->count(marks[i].first)) order->push_back(marks[i].first);
+      (*out)[marks[i].first].push_back(ms);
+    }
+    for (auto& m : marks) cudaEventDestroy(m.second);
+    marks.clear();
+  }
+};
+
+float median(std::vector<float> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0.f : v[v.size() / 2];
+}
+
+std::string json_safe(std::string s) {
+  for (char& ch : s)
+    if (ch == '"' || ch == '\\' || ch == '\n') ch = '\'';
+  return s;
+}
+
+}  // namespace
+
+std::vector<Config> load_configs(const std::string& path) {
+  std::ifstream f(path);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  const std::string s = ss.str();
+  std::vector<Config> out;
+  size_t pos = 0;
+  while ((pos = s.find('{', pos)) != std::string::npos) {
+    const size_t end = s.find('}', pos);
+    const std::string obj = s.substr(pos, end - pos + 1);
+    Config c;
+    c.name = field_string(obj, "name");
+    c.T = field_int(obj, "T");
+    c.d = static_cast<int>(field_int(obj, "d"));
+    c.n = static_cast<int>(field_int(obj, "n"));
+    c.E = static_cast<int>(field_int(obj, "E"));
+    c.K = static_cast<int>(field_int(obj, "K"));
+    if (!c.name.empty() && c.T > 0) out.push_back(c);
+    pos = end + 1;
+  }
+  return out;
+}
+
+Result run_layer(const Config& c, int warmup, int reps) {
+  Result r;
+  const smoe::MoEShape s{c.T, c.d, c.n, c.E, c.K};
+  smoe::Status ok = smoe::moe_can_implement(s);
+  if (!ok.ok()) {
+    r.error = ok.message;
+    return r;
+  }
+  const size_t Td = static_cast<size_t>(c.T) * c.d;
+  const size_t w1n = static_cast<size_t>(c.E) * 2 * c.n * c.d, w2n = static_cast<size_t>(c.E) * c.d * c.n;
+  const size_t wrn = static_cast<size_t>(c.E) * c.d;
+  const size_t saved_b = smoe::moe_saved_state_size(s), wsf_b = smoe::moe_forward_workspace_size(s),
+               wsb_b = smoe::moe_backward_workspace_size(s);
+  cudaError_t e = cudaSuccess;
+  std::vector<void*> owned;
+  auto take = [&](size_t bytes) {
+    void* p = nullptr;
+    if (e == cudaSuccess) e = cudaMalloc(&p, std::max<size_t>(bytes, 256));
+    owned.push_back(p);
+    return p;
+  };
+  bf16* x = static_cast<bf16*>(take(Td * 2));
+  bf16* dout = static_cast<bf16*>(take(Td * 2));
+  bf16* out = static_cast<bf16*>(take(Td * 2));
+  bf16* dx = static_cast<bf16*>(take(Td * 2));
+  bf16* wr = static_cast<bf16*>(take(wrn * 2));
+  bf16* dwr = static_cast<bf16*>(take(wrn * 2));
+  bf16* w1 = static_cast<bf16*>(take(w1n * 2));
+  bf16* dw1 = static_cast<bf16*>(take(w1n * 2));
+  bf16* w2 = static_cast<bf16*>(take(w2n * 2));
+  bf16* dw2 = static_cast<bf16*>(take(w2n * 2));
+  void* saved = take(saved_b);
+  void* wsf = take(wsf_b);
+  void* wsb = take(wsb_b);
+  smoe::DeviceStatus* st = static_cast<smoe::DeviceStatus*>(take(sizeof(smoe::DeviceStatus)));
+  auto cleanup = [&]() {
+    for (void* p : owned)
+      if (p) cudaFree(p);
+  };
+  if (e != cudaSuccess) {
+    cleanup();
+    r.error = std::string("allocation: ") + cudaGetErrorString(e);
+    cudaGetLastError();
+    return r;
+  }
+  const uint64_t seed = static_cast<uint64_t>(std::time(nullptr));
+  fill_normal<<<4096, 256>>>(x, Td, seed + 1, 1.0f);
+  fill_normal<<<4096, 256>>>(dout, Td, seed + 2, 1.0f);
+  fill_normal<<<4096, 256>>>(wr, wrn, seed + 3, 1.0f / std::sqrt(static_cast<float>(c.d)));
+  fill_normal<<<4096, 256>>>(w1, w1n, seed + 4, 1.0f / std::sqrt(static_cast<float>(c.d)));
+  fill_normal<<<4096, 256>>>(w2, w2n, seed + 5, 1.0f / std::sqrt(static_cast<float>(c.n)));
+  BENCH_CUDA(cudaGetLastError());
+  BENCH_SMOE(smoe::reset_device_status(st, 0));
+
+  smoe::MoEForwardArgs f;
+  f.shape = s;
+  f.x = x;
+  f.weights = {wr, w1, w2};
+  f.out = out;
+  f.saved = saved;
+  f.saved_bytes = saved_b;
+  f.workspace = wsf;
+  f.workspace_bytes = wsf_b;
+  f.status = st;
+  smoe::MoEBackwardArgs b;
+  b.shape = s;
+  b.x = x;
+  b.weights = f.weights;
+  b.dout = dout;
+  b.saved = saved;
+  b.saved_bytes = saved_b;
+  b.dx = dx;
+  b.dw_router = dwr;
+  b.dw1 = dw1;
+  b.dw2 = dw2;
+  b.workspace = wsb;
+  b.workspace_bytes = wsb_b;
+
+  for (int i = 0; i < warmup; ++i) {
+    BENCH_SMOE(smoe::moe_forward(f, 0));
+    BENCH_SMOE(smoe::moe_backward(b, 0));
+  }
+  BENCH_CUDA(cudaDeviceSynchronize());
+  cudaEvent_t a, z;
+  BENCH_CUDA(cudaEventCreate(&a));
+  BENCH_CUDA(cudaEventCreate(&z));
+  std::vector<float> tf, tfb;
+  for (int i = 0; i < reps; ++i) {
+    BENCH_CUDA(cudaEventRecord(a, 0));
+    BENCH_SMOE(smoe::moe_forward(f, 0));
+    BENCH_CUDA(cudaEventRecord(z, 0));
+    BENCH_CUDA(cudaEventSynchronize(z));
+    float ms;
+    BENCH_CUDA(cudaEventElapsedTime(&ms, a, z));
+    tf.push_back(ms);
+  }
+  for (int i = 0; i < reps; ++i) {
+    BENCH_CUDA(cudaEventRecord(a, 0));
+    BENCH_SMOE(smoe::moe_forward(f, 0));
+    BENCH_SMOE(smoe::moe_backward(b, 0));
+    BENCH_CUDA(cudaEventRecord(z, 0));
+    BENCH_CUDA(cudaEventSynchronize(z));
+    float ms;
+    BENCH_CUDA(cudaEventElapsedTime(&ms, a, z));
+    tfb.push_back(ms);
+  }
+  // Per-stage times (a separate pass: the events between stages perturb the totals slightly).
+  StageRecorder rec;
+  smoe::profile::set_recorder(&rec);
+  std::map<std::string, std::vector<float>> stages;
+  std::vector<std::string> order;
+  for (int i = 0; i < std::max(3, reps / 2); ++i) {
+    rec.phase = "fwd";
+    BENCH_SMOE(smoe::moe_forward(f, 0));
+    rec.phase = "bwd";
+    BENCH_SMOE(smoe::moe_backward(b, 0));
+    BENCH_CUDA(cudaDeviceSynchronize());
+    rec.collect(&stages, &order);
+  }
+  smoe::profile::set_recorder(nullptr);
+  smoe::DeviceStatus hs;
+  BENCH_CUDA(cudaMemcpy(&hs, st, sizeof hs, cudaMemcpyDeviceToHost));
+  cudaEventDestroy(a);
+  cudaEventDestroy(z);
+  cleanup();
+  if (hs.flags) r.error = "non-finite router logits reported";
+
+  const double flops = static_cast<double>(c.T) * c.K * c.d * c.n;
+  r.fwd_ms = median(tf);
+  r.bwd_ms = median(tfb) - r.fwd_ms;
+  r.fwd_tflops = 6 * flops / (r.fwd_ms * 1e-3) / 1e12;
+  r.bwd_tflops = 12 * flops / (r.bwd_ms * 1e-3) / 1e12;
+  r.total_tflops = 18 * flops / (median(tfb) * 1e-3) / 1e12;
+  r.held_bytes = static_cast<int64_t>(saved_b);
+  // The plan: H (4TKn bytes) + scores and four int32 index arrays (20 TK) + 2E+1 offsets/counts.
+  r.plan_bytes = static_cast<int64_t>(4.0 * c.T * c.K * c.n + 20.0 * c.T * c.K + 4.0 * (2 * c.E + 1));
+  r.fwd_workspace_bytes = static_cast<int64_t>(wsf_b);
+  r.bwd_workspace_bytes = static_cast<int64_t>(wsb_b);
+  for (const std::string& k : order) r.kernels_ms.emplace_back(k, median(stages[k]));
+  return r;
+}
+
+void print_table(const std::vector<Config>& cs, const std::vector<Result>& rs) {
+  std::printf("\n%-20s %8s %8s %7s %7s %7s %9s %9s\n", "config", "fwd ms", "bwd ms", "fwd TF", "bwd TF",
+              "tot TF", "held GB", "plan GB");
+  for (size_t i = 0; i < cs.size(); ++i) {
+    const Result& r = rs[i];
+    if (!r.error.empty()) {
+      std::printf("%-20s error: %s\n", cs[i].name.c_str(), r.error.c_str());
+      continue;
+    }
+    std::printf("%-20s %8.3f %8.3f %7.1f %7.1f %7.1f %9.3f %9.3f\n", cs[i].name.c_str(), r.fwd_ms, r.bwd_ms,
+                r.fwd_tflops, r.bwd_tflops, r.total_tflops, r.held_bytes / 1e9, r.plan_bytes / 1e9);
+  }
+  std::printf("\nper-stage median ms:\n");
+  for (size_t i = 0; i < cs.size(); ++i) {
+    if (!rs[i].error.empty()) continue;
+    std::printf("%-20s", cs[i].name.c_str());
+    for (const auto& k : rs[i].kernels_ms) std::printf(" %s=%.3f", k.first.c_str(), k.second);
+    std::printf("\n");
+  }
+}
+
+std::string to_json(const std::vector<Config>& cs, const std::vector<Result>& rs, const std::string& commit) {
+  cudaDeviceProp prop{};
+  int dev = 0, drv = 0;
+  cudaGetDevice(&dev);
+  cudaGetDeviceProperties(&prop, dev);
+  cudaDriverGetVersion(&drv);
+  char date[16];
+  const std::time_t now = std::time(nullptr);
+  std::strftime(date, sizeof date, "%Y-%m-%d", std::gmtime(&now));
+  std::ostringstream o;
+  o.precision(6);
+  o << "{\n  \"commit\": \"" << commit << "\", \"gpu\": \"" << prop.name << "\", \"driver\": \"" << drv / 1000
+    << "." << (drv % 1000) / 10 << "\",\n  \"cuda\": \"" << CUDART_VERSION / 1000 << "." << (CUDART_VERSION % 1000) / 10
+    << "\", \"date\": \"" << date << "\",\n  \"results\": [\n";
+  for (size_t i = 0; i < cs.size(); ++i) {
+    const Config& c = cs[i];
+    const Result& r = rs[i];
+    o << "    {\"config\": {\"name\": \"" << c.name << "\", \"T\": " << c.T << ", \"d\": " << c.d << ", \"n\": " << c.n
+      << ", \"E\": " << c.E << ", \"K\": " << c.K << "},\n     \"systems\": {\"ours\": ";
+    if (!r.error.empty()) {
+      o << "{\"error\": \"" << json_safe(r.error) << "\"}}, \"kernels\": {}}";
+    } else {
+      o << "{\"fwd_ms\": " << r.fwd_ms << ", \"bwd_ms\": " << r.bwd_ms << ", \"fwd_tflops\": " << r.fwd_tflops
+        << ", \"bwd_tflops\": " << r.bwd_tflops << ", \"total_tflops\": " << r.total_tflops
+        << ", \"held_bytes\": " << r.held_bytes << ", \"plan_bytes\": " << r.plan_bytes
+        << ", \"fwd_workspace_bytes\": " << r.fwd_workspace_bytes << ", \"bwd_workspace_bytes\": "
+        << r.bwd_workspace_bytes << "}},\n     \"kernels\": {";
+      for (size_t k = 0; k < r.kernels_ms.size(); ++k)
+        o << (k ? ", " : "") << "\"" << r.kernels_ms[k].first << "_ms\": " << r.kernels_ms[k].second;
+      o << "}}";
+    }
+    o << (i + 1 < cs.size() ? ",\n" : "\n");
+  }
+  o << "  ]\n}\n";
+  return o.str();
+}
+
+}  // namespace smoe_bench

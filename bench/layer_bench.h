@@ -1,0 +1,36 @@
+// MoE layer benchmark (used by bench_layer and by smoe_main on a GPU).
+// Conventions (../shared/bench/README.md): CUDA events, warm-up first, median of many repetitions,
+// random inputs; FLOPs 6TKdn forward and 12TKdn backward (router not counted); backward time =
+// median(forward+backward) - median(forward); held bytes = what forward keeps for backward.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace smoe_bench {
+
+struct Config {
+  std::string name;
+  int64_t T = 0;
+  int d = 0, n = 0, E = 0, K = 0;
+};
+
+// Reads the configs.json format of ../shared/bench (a list of objects with name, T, d, n, E, K).
+std::vector<Config> load_configs(const std::string& path);
+
+struct Result {
+  std::string error;  // empty on success
+  double fwd_ms = 0, bwd_ms = 0, fwd_tflops = 0, bwd_tflops = 0, total_tflops = 0;
+  int64_t held_bytes = 0, plan_bytes = 0, fwd_workspace_bytes = 0, bwd_workspace_bytes = 0;
+  std::vector<std::pair<std::string, double>> kernels_ms;  // median per stage, in order
+};
+
+Result run_layer(const Config& c, int warmup, int reps);
+
+void print_table(const std::vector<Config>& cs, const std::vector<Result>& rs);
+std::string to_json(const std::vector<Config>& cs, const std::vector<Result>& rs,
+                    const std::string& commit);
+
+}  // namespace smoe_bench

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Run on the GPU machine after scripts/device_check.sh built build-device/ (or pass BUILD=...):
+# our layer benchmark and the torch baseline in the same call, merged into the results format of
+# ../shared/bench/README.md. Usage: scripts/device_bench.sh COMMIT [CONFIG,CONFIG...]
+set -uo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+OUT="${OUT:-$ROOT/out}"
+BUILD="${BUILD:-build-device}"
+COMMIT="${1:-unknown}"
+ONLY="${2:-}"
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+args=(--out "$OUT/ours.json" --commit "$COMMIT" --warmup 3 --reps 15)
+[ -n "$ONLY" ] && args+=(--only "$ONLY")
+"$BUILD/bench_layer" "${args[@]}" 2>&1 | tee "$OUT/bench_ours.log"
+targs=(--out "$OUT/torch.json" --counts histc --warmup 3 --reps 15)
+[ -n "$ONLY" ] && targs+=(--configs "$ONLY")
+python3 bench/torch_baseline.py "${targs[@]}" 2>&1 | grep -v "it/s\]" | tee "$OUT/bench_torch.log" | tail -20
+python3 bench/merge_results.py --ours "$OUT/ours.json" --torch "$OUT/torch.json" --out "$OUT/layer.json" --md "$OUT/layer.md"

@@ -1,0 +1,420 @@
+// GPU MoE layer (forward + backward) against references, at fresh random inputs:
+//  * small shapes: the float64 CPU reference of the whole layer (smoe/reference.h);
+//  * every benchmark config at reduced T: the fp32 GPU reference (layer_ref_gpu.h, chain rule);
+//  * T*K*d > 2^31: float64 per-token recomputation of out[t] and dx[t] on sampled tokens
+//    (the last tokens included, where 32-bit offsets would wrap).
+// Outputs and gradients are poisoned (NaN) before every run; NaN never passes rel_l2.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <cuda_bf16.h>
+#include <gtest/gtest.h>
+
+#include "gpu/gpu_util.h"
+#include "gpu/layer_ref_gpu.h"
+#include "smoe/reference.h"
+#include "smoe/smoe.h"
+
+using smoe_test::DeviceBuffer;
+using bf16 = __nv_bfloat16;
+
+namespace {
+
+constexpr double kTol = 1e-2;  // relative L2, bf16 data
+
+uint64_t fresh_seed() {
+  std::random_device rd;
+  return (static_cast<uint64_t>(rd()) << 32) ^ rd();
+}
+
+double rel_l2(const std::vector<float>& a, const std::vector<double>& b) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    const double d = static_cast<double>(a[i]) - b[i];
+    num += d * d;
+    den += b[i] * b[i];
+  }
+  return std::sqrt(num / den);  // NaN in a -> NaN -> every comparison fails
+}
+
+std::vector<float> to_float(const std::vector<bf16>& v) {
+  std::vector<float> r(v.size());
+  for (size_t i = 0; i < v.size(); ++i) r[i] = __bfloat162float(v[i]);
+  return r;
+}
+
+// Host copies (bf16 and the same values as double) of the layer's inputs.
+struct Inputs {
+  smoe::MoEShape s;
+  std::vector<bf16> x, wr, w1, w2, dout;
+  std::vector<double> xd, wrd, w1d, w2d, doutd;
+};
+
+void fill(std::vector<bf16>* b, std::vector<double>* d, size_t n, double scale, std::mt19937_64& rng) {
+  std::normal_distribution<double> nd(0.0, scale);
+  b->resize(n);
+  d->resize(n);
+  for (size_t i = 0; i < n; ++i) {
+    (*b)[i] = __float2bfloat16(static_cast<float>(nd(rng)));
+    (*d)[i] = __bfloat162float((*b)[i]);
+  }
+}
+
+// hot_expert >= 0: every token's top choice is that expert (a shared direction in x).
+Inputs make_inputs(const smoe::MoEShape& s, uint64_t seed, int hot_expert = -1) {
+  std::mt19937_64 rng(seed);
+  Inputs in;
+  in.s = s;
+  fill(&in.x, &in.xd, s.T * s.d, 1.0, rng);
+  fill(&in.wr, &in.wrd, static_cast<size_t>(s.E) * s.d, 1.0 / std::sqrt(s.d), rng);
+  fill(&in.w1, &in.w1d, static_cast<size_t>(s.E) * 2 * s.n * s.d, 1.0 / std::sqrt(s.d), rng);
+  fill(&in.w2, &in.w2d, static_cast<size_t>(s.E) * s.d * s.n, 1.0 / std::sqrt(s.n), rng);
+  fill(&in.dout, &in.doutd, s.T * s.d, 1.0, rng);
+  if (hot_expert >= 0) {
+    for (int c = 0; c < s.d; ++c) {
+      const double u = (c % 2) ? 1.0 : -1.0;
+      in.wr[static_cast<size_t>(hot_expert) * s.d + c] = __float2bfloat16(static_cast<float>(u * 0.25));
+      in.wrd[static_cast<size_t>(hot_expert) * s.d + c] = u * 0.25;
+      for (int64_t t = 0; t < s.T; ++t) {
+        const size_t i = t * s.d + c;
+        in.x[i] = __float2bfloat16(static_cast<float>(in.xd[i] + u));
+        in.xd[i] = __bfloat162float(in.x[i]);
+      }
+    }
+  }
+  return in;
+}
+
+struct Outputs {
+  std::vector<float> out, dx, dwr, dw1, dw2;
+  std::vector<int32_t> topk;
+  std::vector<float> scores;
+};
+
+struct GpuLayer {
+  smoe::MoEShape s;
+  DeviceBuffer<bf16> x, wr, w1, w2, dout, out, dx, dwr, dw1, dw2;
+  DeviceBuffer<uint8_t> saved, wsf, wsb;
+  DeviceBuffer<smoe::DeviceStatus> status;
+
+  explicit GpuLayer(const Inputs& in) : s(in.s) {
+    x.reset(in.x.size());
+    wr.reset(in.wr.size());
+    w1.reset(in.w1.size());
+    w2.reset(in.w2.size());
+    dout.reset(in.dout.size());
+    out.reset(in.x.size());
+    dx.reset(in.x.size());
+    dwr.reset(in.wr.size());
+    dw1.reset(in.w1.size());
+    dw2.reset(in.w2.size());
+    saved.reset(smoe::moe_saved_state_size(s));
+    wsf.reset(smoe::moe_forward_workspace_size(s));
+    wsb.reset(smoe::moe_backward_workspace_size(s));
+    status.reset(1);
+    EXPECT_EQ(x.upload(in.x), cudaSuccess);
+    EXPECT_EQ(wr.upload(in.wr), cudaSuccess);
+    EXPECT_EQ(w1.upload(in.w1), cudaSuccess);
+    EXPECT_EQ(w2.upload(in.w2), cudaSuccess);
+    EXPECT_EQ(dout.upload(in.dout), cudaSuccess);
+  }
+
+  smoe::Status run(bool poison = true) {
+    if (poison) {
+      for (auto* b : {&out, &dx, &dwr, &dw1, &dw2}) EXPECT_EQ(b->poison(), cudaSuccess);
+      EXPECT_EQ(saved.poison(), cudaSuccess);
+    }
+    smoe::Status st = smoe::reset_device_status(status.get(), 0);
+    if (!st.ok()) return st;
+    smoe::MoEForwardArgs f;
+    f.shape = s;
+    f.x = x.get();
+    f.weights = {wr.get(), w1.get(), w2.get()};
+    f.out = out.get();
+    f.saved = saved.get();
+    f.saved_bytes = saved.bytes();
+    f.workspace = wsf.get();
+    f.workspace_bytes = wsf.bytes();
+    f.status = status.get();
+    st = smoe::moe_forward(f, 0);
+    if (!st.ok()) return st;
+    smoe::MoEBackwardArgs b;
+    b.shape = s;
+    b.x = x.get();
+    b.weights = f.weights;
+    b.dout = dout.get();
+    b.saved = saved.get();
+    b.saved_bytes = saved.bytes();
+    b.dx = dx.get();
+    b.dw_router = dwr.get();
+    b.dw1 = dw1.get();
+    b.dw2 = dw2.get();
+    b.workspace = wsb.get();
+    b.workspace_bytes = wsb.bytes();
+    st = smoe::moe_backward(b, 0);
+    if (!st.ok()) return st;
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    return st;
+  }
+
+  Outputs download() {
+    Outputs o;
+    o.out = to_float(out.download());
+    o.dx = to_float(dx.download());
+    o.dwr = to_float(dwr.download());
+    o.dw1 = to_float(dw1.download());
+    o.dw2 = to_float(dw2.download());
+    const smoe::MoESavedView v = smoe::moe_saved_state_view(s, saved.get());
+    const size_t tk = static_cast<size_t>(s.T) * s.K;
+    o.topk.resize(tk);
+    o.scores.resize(tk);
+    EXPECT_EQ(cudaMemcpy(o.topk.data(), v.topk_expert, tk * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+    EXPECT_EQ(cudaMemcpy(o.scores.data(), v.scores, tk * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+    const smoe::DeviceStatus ds = status.download()[0];
+    EXPECT_EQ(ds.flags, 0u) << "unexpected non-finite logits";
+    return o;
+  }
+};
+
+std::string shape_name(const smoe::MoEShape& s) {
+  return "T" + std::to_string(s.T) + " d" + std::to_string(s.d) + " n" + std::to_string(s.n) + " E" +
+         std::to_string(s.E) + " K" + std::to_string(s.K);
+}
+
+// Small shapes: float64 CPU reference of the whole layer (its own routing, in float64).
+void check_against_cpu(const smoe::MoEShape& s, int hot_expert = -1) {
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    const uint64_t seed = fresh_seed();
+    SCOPED_TRACE(shape_name(s) + " seed=" + std::to_string(seed));
+    const Inputs in = make_inputs(s, seed, hot_expert);
+    GpuLayer g(in);
+    const smoe::Status st = g.run();
+    ASSERT_TRUE(st.ok()) << st.message;
+    const Outputs o = g.download();
+
+    namespace R = smoe::ref;
+    const R::MoEShape rs{s.T, s.d, s.n, s.E, s.K};
+    const R::MoEWeights w{in.wrd, in.w1d, in.w2d};
+    const R::LayerForward f = R::layer_forward_ref(in.xd, rs, w);
+    if (std::vector<int32_t>(f.routing.expert) != o.topk) {
+      // fp32 (cuBLAS) vs float64 logits ranked two experts differently: a near tie. Redraw.
+      std::printf("  near-tie in router logits (fp32 vs float64), redrawing\n");
+      continue;
+    }
+    const R::LayerGrads gr = R::layer_backward_ref(in.xd, in.doutd, rs, w, f, R::BackwardMethod::kSonic);
+    double max_score_err = 0;
+    for (size_t i = 0; i < o.scores.size(); ++i)
+      max_score_err = std::max(max_score_err, std::fabs(o.scores[i] - f.routing.score[i]));
+    EXPECT_LE(max_score_err, 1e-4);
+    EXPECT_LE(rel_l2(o.out, f.experts.o), kTol) << "out";
+    EXPECT_LE(rel_l2(o.dx, gr.dx), kTol) << "dx";
+    EXPECT_LE(rel_l2(o.dw1, gr.dw1), kTol) << "dw1";
+    EXPECT_LE(rel_l2(o.dw2, gr.dw2), kTol) << "dw2";
+    EXPECT_LE(rel_l2(o.dwr, gr.dw_router), kTol) << "dw_router";
+    std::printf("  %-32s out %.2e dx %.2e dw1 %.2e dw2 %.2e dwr %.2e\n", shape_name(s).c_str(),
+                rel_l2(o.out, f.experts.o), rel_l2(o.dx, gr.dx), rel_l2(o.dw1, gr.dw1),
+                rel_l2(o.dw2, gr.dw2), rel_l2(o.dwr, gr.dw_router));
+    return;
+  }
+  FAIL() << "three draws in a row had near-ties";
+}
+
+}  // namespace
+
+TEST(GpuLayer, SmallShapesAgainstFloat64Reference) {
+  check_against_cpu({300, 128, 64, 8, 2});     // T not a multiple of 128
+  check_against_cpu({129, 64, 64, 4, 1});      // K = 1, smallest d and n
+  check_against_cpu({20, 64, 128, 64, 2});     // most experts empty
+  check_against_cpu({64, 64, 64, 512, 16});    // E = 512, K = 16
+  check_against_cpu({1, 128, 64, 16, 4});      // a single token
+  check_against_cpu({257, 192, 128, 32, 8});
+}
+
+TEST(GpuLayer, OneExpertReceivesEveryToken) {
+  check_against_cpu({500, 64, 64, 8, 1}, 3);   // K = 1: expert 3 takes all rows, 7 experts empty
+  check_against_cpu({300, 128, 64, 16, 2}, 5);
+}
+
+// Every benchmark config at reduced T against the fp32 GPU reference (chain rule, its own fp32
+// logits and scores; the routing decisions come from the library so near-ties cannot differ).
+TEST(GpuLayer, BenchConfigsReducedTAgainstFp32Reference) {
+  struct Cfg { const char* name; int d, n, E, K; };
+  const Cfg cfgs[] = {
+      {"1.4B n256 E128 K8", 768, 256, 128, 8},   {"7B n256 E128 K8", 1536, 256, 128, 8},
+      {"7B n512 E64 K4", 1536, 512, 64, 4},      {"7B n1024 E32 K2", 1536, 1024, 32, 2},
+      {"30B n256 E256 K16", 4096, 256, 256, 16}, {"30B n512 E128 K8", 4096, 512, 128, 8},
+      {"120B n1024 E128 K8", 4096, 1024, 128, 8}, {"OLMoE-7B", 2048, 1024, 64, 8},
+      {"Qwen3-235B", 4096, 1536, 128, 8},        {"Qwen3-Next-80B", 2048, 512, 512, 10},
+      {"DeepSeek-V3.2", 7168, 2048, 256, 8}};
+  for (const Cfg& c : cfgs) {
+    const smoe::MoEShape s{300, c.d, c.n, c.E, c.K};
+    const uint64_t seed = fresh_seed();
+    SCOPED_TRACE(std::string(c.name) + " seed=" + std::to_string(seed));
+    const Inputs in = make_inputs(s, seed);
+    GpuLayer g(in);
+    const smoe::Status st = g.run();
+    ASSERT_TRUE(st.ok()) << st.message;
+    const Outputs o = g.download();
+    const smoe::MoESavedView v = smoe::moe_saved_state_view(s, g.saved.get());
+
+    DeviceBuffer<float> rout(s.T * s.d), rdx(s.T * s.d), rdwr(static_cast<size_t>(s.E) * s.d),
+        rdw1(static_cast<size_t>(s.E) * 2 * s.n * s.d), rdw2(static_cast<size_t>(s.E) * s.d * s.n),
+        rsc(s.T * s.K), rds(s.T * s.K);
+    smoe_test::LayerRefOutputs ro{rout.get(), rdx.get(), rdwr.get(), rdw1.get(), rdw2.get(), rsc.get(), rds.get()};
+    smoe_test::layer_ref_gpu(s.T, s.d, s.n, s.E, s.K, g.x.get(), g.wr.get(), g.w1.get(), g.w2.get(),
+                             g.dout.get(), v.topk_expert, ro, 0);
+    CUDA_OK(cudaDeviceSynchronize());
+    auto as_double = [](const std::vector<float>& f) { return std::vector<double>(f.begin(), f.end()); };
+    const double e_out = rel_l2(o.out, as_double(rout.download()));
+    const double e_dx = rel_l2(o.dx, as_double(rdx.download()));
+    const double e_w1 = rel_l2(o.dw1, as_double(rdw1.download()));
+    const double e_w2 = rel_l2(o.dw2, as_double(rdw2.download()));
+    const double e_wr = rel_l2(o.dwr, as_double(rdwr.download()));
+    const double e_sc = rel_l2(o.scores, as_double(rsc.download()));
+    std::printf("  %-20s out %.2e dx %.2e dw1 %.2e dw2 %.2e dwr %.2e scores %.2e\n", c.name, e_out, e_dx,
+                e_w1, e_w2, e_wr, e_sc);
+    EXPECT_LE(e_out, kTol);
+    EXPECT_LE(e_dx, kTol);
+    EXPECT_LE(e_w1, kTol);
+    EXPECT_LE(e_w2, kTol);
+    EXPECT_LE(e_wr, kTol);
+    EXPECT_LE(e_sc, 1e-5);
+  }
+}
+
+TEST(GpuLayer, DeterministicBitwise) {
+  const smoe::MoEShape s{1000, 256, 128, 32, 4};
+  const Inputs in = make_inputs(s, fresh_seed());
+  GpuLayer g(in);
+  ASSERT_TRUE(g.run().ok());
+  const std::vector<bf16> out1 = g.out.download(), dx1 = g.dx.download(), dw11 = g.dw1.download(),
+                          dw21 = g.dw2.download(), dwr1 = g.dwr.download();
+  ASSERT_TRUE(g.run().ok());
+  auto same = [](const std::vector<bf16>& a, const std::vector<bf16>& b) {
+    return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(bf16)) == 0;
+  };
+  EXPECT_TRUE(same(out1, g.out.download()));
+  EXPECT_TRUE(same(dx1, g.dx.download()));
+  EXPECT_TRUE(same(dw11, g.dw1.download()));
+  EXPECT_TRUE(same(dw21, g.dw2.download()));
+  EXPECT_TRUE(same(dwr1, g.dwr.download()));
+}
+
+TEST(GpuLayer, UnsupportedShapeRejectedBeforeLaunch) {
+  smoe::MoEShape s{64, 64, 64, 8, 2};
+  const Inputs in = make_inputs(s, fresh_seed());
+  GpuLayer g(in);
+  CUDA_OK(g.out.poison());
+  smoe::MoEForwardArgs f;
+  f.shape = s;
+  f.shape.d = 72;  // not a multiple of 64
+  f.x = g.x.get();
+  f.weights = {g.wr.get(), g.w1.get(), g.w2.get()};
+  f.out = g.out.get();
+  f.saved = g.saved.get();
+  f.saved_bytes = g.saved.bytes();
+  f.workspace = g.wsf.get();
+  f.workspace_bytes = g.wsf.bytes();
+  f.status = g.status.get();
+  smoe::Status st = smoe::moe_forward(f, 0);
+  EXPECT_EQ(st.code, smoe::StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message.find("d = 72"), std::string::npos) << st.message;
+  f.shape = s;
+  f.workspace_bytes = 1000;
+  st = smoe::moe_forward(f, 0);
+  EXPECT_EQ(st.code, smoe::StatusCode::kWorkspaceTooSmall) << st.message;
+  f.workspace_bytes = g.wsf.bytes();
+  f.x = reinterpret_cast<const bf16*>(reinterpret_cast<const char*>(g.x.get()) + 2);
+  st = smoe::moe_forward(f, 0);
+  EXPECT_EQ(st.code, smoe::StatusCode::kMisalignedPointer) << st.message;
+  CUDA_OK(cudaDeviceSynchronize());
+  for (bf16 v : g.out.download()) ASSERT_TRUE(std::isnan(__bfloat162float(v))) << "nothing may run";
+}
+
+// T*K*d > 2^31 (and T*K*2n > 2^31 for H): sampled tokens recomputed in float64 from the inputs and
+// the library's routing decisions.
+TEST(GpuLayer, Over2Pow31Elements) {
+  const smoe::MoEShape s{33000, 4096, 128, 64, 16};  // T*K*d = 2.16e9
+  ASSERT_GT(static_cast<double>(s.T) * s.K * s.d, 2147483648.0);
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed=" + std::to_string(seed));
+  const Inputs in = make_inputs(s, seed);
+  GpuLayer g(in);
+  const smoe::Status st = g.run();
+  ASSERT_TRUE(st.ok()) << st.message;
+  const Outputs o = g.download();
+  std::mt19937_64 rng(seed);
+  std::vector<int64_t> tokens = {0, s.T - 1, s.T - 2, s.T / 2};
+  for (int i = 0; i < 12; ++i) tokens.push_back(static_cast<int64_t>(rng() % s.T));
+  std::vector<float> got_out, got_dx;
+  std::vector<double> ref_out, ref_dx;
+  for (int64_t t : tokens) {
+    const double* x = &in.xd[t * s.d];
+    const double* dO = &in.doutd[t * s.d];
+    std::vector<double> logit(s.K);
+    for (int k = 0; k < s.K; ++k) {
+      const int e = o.topk[t * s.K + k];
+      double acc = 0;
+      for (int c = 0; c < s.d; ++c) acc += x[c] * in.wrd[static_cast<size_t>(e) * s.d + c];
+      logit[k] = acc;
+    }
+    std::vector<double> sc(s.K);
+    double mx = *std::max_element(logit.begin(), logit.end()), sum = 0;
+    for (int k = 0; k < s.K; ++k) sum += sc[k] = std::exp(logit[k] - mx);
+    for (double& v : sc) v /= sum;
+    std::vector<double> o_t(s.d, 0.0), dx_t(s.d, 0.0), dS(s.K);
+    std::vector<std::vector<double>> dH(s.K);
+    for (int k = 0; k < s.K; ++k) {
+      const int e = o.topk[t * s.K + k];
+      const double* W1 = &in.w1d[static_cast<size_t>(e) * 2 * s.n * s.d];
+      const double* W2 = &in.w2d[static_cast<size_t>(e) * s.d * s.n];
+      std::vector<double> h(2 * s.n), a(s.n), dA(s.n, 0.0);
+      for (int j = 0; j < 2 * s.n; ++j) {
+        double acc = 0;
+        for (int c = 0; c < s.d; ++c) acc += x[c] * W1[static_cast<size_t>(j) * s.d + c];
+        h[j] = acc;
+      }
+      for (int j = 0; j < s.n; ++j) a[j] = smoe::ref::swiglu_ref(h[2 * j], h[2 * j + 1]);
+      double ds = 0;
+      for (int c = 0; c < s.d; ++c) {
+        double y = 0;
+        for (int j = 0; j < s.n; ++j) y += a[j] * W2[static_cast<size_t>(c) * s.n + j];
+        o_t[c] += sc[k] * y;
+        ds += dO[c] * y;
+        for (int j = 0; j < s.n; ++j) dA[j] += sc[k] * dO[c] * W2[static_cast<size_t>(c) * s.n + j];
+      }
+      dS[k] = ds;
+      dH[k].resize(2 * s.n);
+      for (int j = 0; j < s.n; ++j) smoe::ref::dswiglu_ref(h[2 * j], h[2 * j + 1], dA[j], &dH[k][2 * j], &dH[k][2 * j + 1]);
+      for (int j = 0; j < 2 * s.n; ++j)
+        for (int c = 0; c < s.d; ++c) dx_t[c] += dH[k][j] * W1[static_cast<size_t>(j) * s.d + c];
+    }
+    double dot = 0;
+    for (int k = 0; k < s.K; ++k) dot += sc[k] * dS[k];
+    for (int k = 0; k < s.K; ++k) {
+      const double g = sc[k] * (dS[k] - dot);
+      const int e = o.topk[t * s.K + k];
+      for (int c = 0; c < s.d; ++c) dx_t[c] += g * in.wrd[static_cast<size_t>(e) * s.d + c];
+    }
+    for (int c = 0; c < s.d; ++c) {
+      got_out.push_back(o.out[t * s.d + c]);
+      got_dx.push_back(o.dx[t * s.d + c]);
+      ref_out.push_back(o_t[c]);
+      ref_dx.push_back(dx_t[c]);
+    }
+  }
+  const double e_out = rel_l2(got_out, ref_out), e_dx = rel_l2(got_dx, ref_dx);
+  std::printf("  T*K*d = %.3g: sampled %zu tokens: out %.2e dx %.2e\n", static_cast<double>(s.T) * s.K * s.d,
+              tokens.size(), e_out, e_dx);
+  EXPECT_LE(e_out, kTol);
+  EXPECT_LE(e_dx, kTol);
+  // Every element was written (poisoned with NaN before the run).
+  for (float v : o.out) ASSERT_FALSE(std::isnan(v));
+  for (float v : o.dx) ASSERT_FALSE(std::isnan(v));
+  for (float v : o.dw1) ASSERT_FALSE(std::isnan(v));
+  for (float v : o.dw2) ASSERT_FALSE(std::isnan(v));
+}
