@@ -10,7 +10,8 @@
 //            du = dA * silu(g)
 //            A'[r] = s * a                             (so that dW2_e = dO_e^T A'_e)
 //            dS[t,k] = <dO[t], Y[r]> = <dO[t], a W2_e^T> = <dO[t] W2_e, a> = <dA'[r], a>
-//   router   dlogit_k = s_k (dS_k - sum_j s_j dS_j) for the K chosen experts, 0 elsewhere
+//   router   dlogit_k = s_k (dS_k - sum_j s_j dS_j) = s_k sum_{j!=k} s_j (dS_k - dS_j) for the K
+//            chosen experts (the second form is the one computed), 0 elsewhere
 //            dX[t] += sum_k dlogit_k W_r[e_k]  (only K non-zeros per token: a sparse sum)
 #include <cstdint>
 
@@ -158,10 +159,14 @@ __global__ void router_backward_kernel(const float* __restrict__ dS, const float
                                        float* __restrict__ dl, bf16* __restrict__ dlogits_dense) {
   for (int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; t < T;
        t += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    float dot = 0.f;
-    for (int k = 0; k < K; ++k) dot += dS[t * K + k] * scores[t * K + k];
+    // s_k (dS_k - sum_j s_j dS_j) = s_k sum_{j != k} s_j (dS_k - dS_j): no cancellation when
+    // one score saturates at 1 (the plain form loses every digit there). O(K^2), K <= 16.
     for (int k = 0; k < K; ++k) {
-      const float g = scores[t * K + k] * (dS[t * K + k] - dot);
+      const float dk = dS[t * K + k];
+      float acc = 0.f;
+      for (int j = 0; j < K; ++j)
+        if (j != k) acc += scores[t * K + j] * (dk - dS[t * K + j]);
+      const float g = scores[t * K + k] * acc;
       dl[t * K + k] = g;
       dlogits_dense[t * E + topk[t * K + k]] = __float2bfloat16_rn(g);
     }
