@@ -271,6 +271,7 @@ Result run_layer(const Config& c, int warmup, int reps) {
 }
 
 void print_table(const std::vector<Config>& cs, const std::vector<Result>& rs) {
+  if (rs.size() < cs.size()) return;
   std::printf("\n%-20s %8s %8s %7s %7s %7s %9s %9s\n", "config", "fwd ms", "bwd ms", "fwd TF", "bwd TF",
               "tot TF", "held GB", "plan GB");
   for (size_t i = 0; i < cs.size(); ++i) {
@@ -305,7 +306,8 @@ std::string to_json(const std::vector<Config>& cs, const std::vector<Result>& rs
   o << "{\n  \"commit\": \"" << commit << "\", \"gpu\": \"" << prop.name << "\", \"driver\": \"" << drv / 1000
     << "." << (drv % 1000) / 10 << "\",\n  \"cuda\": \"" << CUDART_VERSION / 1000 << "." << (CUDART_VERSION % 1000) / 10
     << "\", \"date\": \"" << date << "\",\n  \"results\": [\n";
-  for (size_t i = 0; i < cs.size(); ++i) {
+  const size_t count = std::min(cs.size(), rs.size());  // partial results while a run is under way
+  for (size_t i = 0; i < count; ++i) {
     const Config& c = cs[i];
     const Result& r = rs[i];
     o << "    {\"config\": {\"name\": \"" << c.name << "\", \"T\": " << c.T << ", \"d\": " << c.d << ", \"n\": " << c.n
@@ -322,7 +324,7 @@ std::string to_json(const std::vector<Config>& cs, const std::vector<Result>& rs
         o << (k ? ", " : "") << "\"" << r.kernels_ms[k].first << "_ms\": " << r.kernels_ms[k].second;
       o << "}}";
     }
-    o << (i + 1 < cs.size() ? ",\n" : "\n");
+    o << (i + 1 < count ? ",\n" : "\n");
   }
   o << "  ]\n}\n";
   return o.str();
