@@ -1,6 +1,6 @@
 // bench_layer: the MoE layer benchmark over bench/configs.json (a copy of ../shared/bench).
 // Usage: bench_layer [--configs PATH] [--only NAME[,NAME]] [--warmup N] [--reps N]
-//                    [--out ours.json] [--commit SHA]
+//                    [--out ours.json] [--commit SHA] [--driver VERSION]
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -11,7 +11,7 @@
 #include "layer_bench.h"
 
 int main(int argc, char** argv) {
-  std::string configs = "bench/configs.json", only, out, commit = "unknown";
+  std::string configs = "bench/configs.json", only, out, commit = "unknown", driver = "unknown";
   int warmup = 3, reps = 10;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
@@ -21,6 +21,7 @@ int main(int argc, char** argv) {
     else if (k == "--reps") reps = std::stoi(v);
     else if (k == "--out") out = v;
     else if (k == "--commit") commit = v;
+    else if (k == "--driver") driver = v;
     else { std::fprintf(stderr, "unknown option %s\n", k.c_str()); return 2; }
   }
   std::vector<smoe_bench::Config> all = smoe_bench::load_configs(configs), cs;
@@ -32,10 +33,10 @@ int main(int argc, char** argv) {
     std::printf("[%zu/%zu] %s ...\n", i + 1, cs.size(), cs[i].name.c_str());
     std::fflush(stdout);
     rs.push_back(smoe_bench::run_layer(cs[i], warmup, reps));
-    if (!out.empty()) std::ofstream(out) << smoe_bench::to_json(cs, rs, commit);  // partial results survive
+    if (!out.empty()) std::ofstream(out) << smoe_bench::to_json(cs, rs, commit, driver);  // partial results survive
   }
   smoe_bench::print_table(cs, rs);
-  if (!out.empty()) std::ofstream(out) << smoe_bench::to_json(cs, rs, commit);
+  if (!out.empty()) std::ofstream(out) << smoe_bench::to_json(cs, rs, commit, driver);
   int errors = 0;
   for (const auto& r : rs) errors += !r.error.empty();
   return errors ? 1 : 0;

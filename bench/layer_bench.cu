@@ -292,7 +292,8 @@ void print_table(const std::vector<Config>& cs, const std::vector<Result>& rs) {
   }
 }
 
-std::string to_json(const std::vector<Config>& cs, const std::vector<Result>& rs, const std::string& commit) {
+std::string to_json(const std::vector<Config>& cs, const std::vector<Result>& rs, const std::string& commit,
+                    const std::string& driver) {
   cudaDeviceProp prop{};
   int dev = 0, drv = 0;
   cudaGetDevice(&dev);
@@ -303,8 +304,8 @@ std::string to_json(const std::vector<Config>& cs, const std::vector<Result>& rs
   std::strftime(date, sizeof date, "%Y-%m-%d", std::gmtime(&now));
   std::ostringstream o;
   o.precision(6);
-  o << "{\n  \"commit\": \"" << commit << "\", \"gpu\": \"" << prop.name << "\", \"driver\": \"" << drv / 1000
-    << "." << (drv % 1000) / 10 << "\",\n  \"cuda\": \"" << CUDART_VERSION / 1000 << "." << (CUDART_VERSION % 1000) / 10
+  o << "{\n  \"commit\": \"" << commit << "\", \"gpu\": \"" << prop.name << "\", \"driver\": \"" << driver
+    << "\", \"driver_cuda_api\": \"" << drv / 1000 << "." << (drv % 1000) / 10 << "\",\n  \"cuda\": \"" << CUDART_VERSION / 1000 << "." << (CUDART_VERSION % 1000) / 10
     << "\", \"date\": \"" << date << "\",\n  \"results\": [\n";
   const size_t count = std::min(cs.size(), rs.size());  // partial results while a run is under way
   for (size_t i = 0; i < count; ++i) {

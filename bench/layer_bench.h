@@ -30,7 +30,8 @@ struct Result {
 Result run_layer(const Config& c, int warmup, int reps);
 
 void print_table(const std::vector<Config>& cs, const std::vector<Result>& rs);
+// driver: the driver version string (nvidia-smi's driver_version), passed in by the caller.
 std::string to_json(const std::vector<Config>& cs, const std::vector<Result>& rs,
-                    const std::string& commit);
+                    const std::string& commit, const std::string& driver);
 
 }  // namespace smoe_bench

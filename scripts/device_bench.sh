@@ -11,7 +11,8 @@ COMMIT="${1:-unknown}"
 ONLY="${2:-}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-args=(--out "$OUT/ours.json" --commit "$COMMIT" --warmup 3 --reps 15)
+args=(--out "$OUT/ours.json" --commit "$COMMIT" --warmup 3 --reps 15
+      --driver "$(nvidia-smi --query-gpu=driver_version --format=csv,noheader | head -1)")
 [ -n "$ONLY" ] && args+=(--only "$ONLY")
 "$BUILD/bench_layer" "${args[@]}" 2>&1 | tee "$OUT/bench_ours.log"
 targs=(--out "$OUT/torch.json" --counts histc --warmup 3 --reps 15)
