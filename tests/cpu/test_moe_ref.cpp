@@ -11,30 +11,14 @@
 #include <vector>
 
 #include "smoe/reference.h"
+#include "test_seed.h"
 
 using namespace smoe::ref;
 
 namespace {
 
-// Fresh seed per test (SMOE_TEST_SEED=<n> reproduces a failure); the seed is printed on failure.
-uint64_t fresh_seed() {
-  if (const char* s = std::getenv("SMOE_TEST_SEED")) return std::strtoull(s, nullptr, 10);
-  std::random_device rd;
-  return (static_cast<uint64_t>(rd()) << 32) ^ rd();
-}
-
-struct Rng {
-  uint64_t seed = fresh_seed();
-  std::mt19937_64 gen{seed};
-  double normal(double sd = 1.0) { return std::normal_distribution<double>(0.0, sd)(gen); }
-  std::vector<double> normals(int64_t count, double sd = 1.0) {
-    std::vector<double> v(static_cast<size_t>(count));
-    for (auto& x : v) x = normal(sd);
-    return v;
-  }
-};
-
-#define TRACE_SEED(rng) SCOPED_TRACE(::testing::Message() << "seed=" << (rng).seed)
+using smoe_test::fresh_seed;
+using smoe_test::Rng;
 
 MoEWeights random_weights(Rng& rng, const MoEShape& s) {
   MoEWeights w;

@@ -18,6 +18,7 @@
 #include "gpu/layer_ref_gpu.h"
 #include "smoe/reference.h"
 #include "smoe/smoe.h"
+#include "test_seed.h"
 
 using smoe_test::DeviceBuffer;
 using bf16 = __nv_bfloat16;
@@ -26,10 +27,7 @@ namespace {
 
 constexpr double kTol = 1e-2;  // relative L2, bf16 data
 
-uint64_t fresh_seed() {
-  std::random_device rd;
-  return (static_cast<uint64_t>(rd()) << 32) ^ rd();
-}
+using smoe_test::fresh_seed;
 
 double rel_l2(const std::vector<float>& a, const std::vector<double>& b) {
   double num = 0, den = 0;

@@ -14,6 +14,7 @@
 #include "gpu/gpu_util.h"
 #include "smoe/reference.h"
 #include "smoe/smoe.h"
+#include "test_seed.h"
 
 using smoe_test::DeviceBuffer;
 
@@ -35,10 +36,7 @@ std::string name_of(const Case& c) {
          (c.dtype == smoe::DType::kFloat32 ? "_f32_" : "_bf16_") + p;
 }
 
-uint64_t fresh_seed() {
-  std::random_device rd;
-  return (static_cast<uint64_t>(rd()) << 32) ^ rd();
-}
+using smoe_test::fresh_seed;
 
 // Logits as doubles holding exactly the values the GPU sees (fp32 or bf16-rounded).
 std::vector<double> make_logits(const Case& c, uint64_t seed) {
