@@ -1,0 +1,189 @@
+#!/usr/bin/env python3
+"""Side-by-side benchmark in one process: (a) this library through its torch op, (b) the torch
+grouped_mm baseline (torchtitan pattern, bench/torch_baseline.py), (c) SonicMoE if importable.
+
+Same inputs for (a) and (b) (torch_baseline.make_inputs); the same timing (CUDA events, warm-up,
+median) and memory accounting (memory_allocated after forward minus before, less the output).
+(a) calls torch.ops.smoe.moe_forward with gate/up already interleaved (the library's layout, as a
+caller that keeps its weights that way would); smoe_torch.MoE adds one stack of w1/w3 per step.
+
+Usage (on the GPU, after `pip install --no-build-isolation .`):
+  python3 bench/side_by_side.py --out bench/results/h200/side_by_side.json --plots bench/results/h200
+"""
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import torch_baseline as tb  # noqa: E402
+
+SONIC_REASON = None
+try:
+    import sonicmoe  # noqa: F401
+except Exception as e:  # noqa: BLE001
+    SONIC_REASON = (
+        f"import sonicmoe failed ({type(e).__name__}: {e}). sonic-moe 0.1.2.post1 needs "
+        "nvidia-cutlass-dsl==4.4.2, whose nvidia-cutlass-dsl-libs-base (74 MB) and -libs-cu13 (78 MB) "
+        "wheels are each larger than the 64 MiB a device call can carry, quack-kernels (its newer "
+        "releases need cutlass-dsl>=4.7, conflicting with that pin), apache-tvm-ffi, and torch<=2.9.1 "
+        "(the device has torch 2.11); the GPU machine has no network to fetch them")
+
+
+def bench_ours(cfg, args, device):
+    import smoe_torch  # noqa: F401
+    T, d, n, E, K = (int(cfg[k]) for k in ("T", "d", "n", "E", "K"))
+    x, w_router, w1, w3, w2, dout = tb.make_inputs(T, d, n, E, device, seed=args.seed)
+    w1i = torch.stack((w1.detach(), w3.detach()), dim=2).reshape(E, 2 * n, d).contiguous().requires_grad_(True)
+    del w1, w3
+    params = (x, w_router, w1i, w2)
+
+    def zero_grads():
+        for p in params:
+            p.grad = None
+
+    def fwd():
+        out, _ = torch.ops.smoe.moe_forward(x, w_router, w1i, w2, K)
+        return out
+
+    def fwd_bwd():
+        fwd().backward(dout)
+
+    fwd_ms, fwd_min, fwd_max = tb.time_ms(fwd, args.reps, args.warmup, device)
+    tot_ms, tot_min, tot_max = tb.time_ms(fwd_bwd, args.reps, args.warmup, device, before=zero_grads)
+    zero_grads()
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    out = fwd()
+    torch.cuda.synchronize()
+    after = torch.cuda.memory_allocated(device)
+    held = after - base - out.numel() * out.element_size()
+    out.backward(dout)
+    del out
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated(device)
+    f = float(T) * K * d * n
+    bwd_ms = tot_ms - fwd_ms
+    return {"fwd_ms": fwd_ms, "bwd_ms": bwd_ms, "fwd_tflops": 6 * f / fwd_ms / 1e9,
+            "bwd_tflops": 12 * f / bwd_ms / 1e9, "total_tflops": 18 * f / tot_ms / 1e9,
+            "held_bytes": int(held), "plan_bytes": int(4 * T * K * n + 20 * T * K + 4 * (2 * E + 1)),
+            "peak_bytes": int(peak), "base_bytes": int(base), "fwd_bwd_ms": tot_ms,
+            "fwd_ms_min_max": [fwd_min, fwd_max], "fwd_bwd_ms_min_max": [tot_min, tot_max]}
+
+
+def run_system(fn, cfg, args, device):
+    try:
+        return fn(cfg, args, device)
+    except Exception as e:  # noqa: BLE001  (OOM or anything else: record and go on)
+        return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    finally:
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def plots(results, outdir):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    names = [r["config"]["name"] for r in results]
+    systems = [("ours", "smoe (this library)", "#1f77b4"), ("torch_grouped_mm", "torch grouped_mm", "#ff7f0e"),
+               ("sonicmoe", "SonicMoE", "#2ca02c")]
+    x = range(len(names))
+    w = 0.27
+    fig, axes = plt.subplots(3, 1, figsize=(14, 11), sharex=True)
+    for ax, key, title in zip(axes, ("fwd_tflops", "bwd_tflops", "total_tflops"),
+                              ("forward", "backward", "forward + backward")):
+        for i, (sk, label, color) in enumerate(systems):
+            vals = [r["systems"].get(sk, {}).get(key) or 0 for r in results]
+            bars = ax.bar([v + (i - 1) * w for v in x], vals, w, label=label, color=color)
+            for b, v in zip(bars, vals):
+                if v:
+                    ax.text(b.get_x() + b.get_width() / 2, v, f"{v:.0f}", ha="center", va="bottom", fontsize=7)
+        ax.set_ylabel("TFLOP/s")
+        ax.set_title(f"{title} (FLOPs {'6' if key == 'fwd_tflops' else '12' if key == 'bwd_tflops' else '18'}TKdn)")
+        ax.axhline(793, color="gray", ls=":", lw=1)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].legend(loc="upper left")
+    axes[-1].set_xticks(list(x))
+    axes[-1].set_xticklabels(names, rotation=30, ha="right")
+    fig.suptitle(f"MoE layer, bf16, {torch.cuda.get_device_name()} (dotted: dense bf16 GEMM 793 TFLOP/s)"
+                 + ("" if not SONIC_REASON else "; SonicMoE could not run, see JSON"))
+    fig.tight_layout()
+    fig.savefig(os.path.join(outdir, "side_by_side_tflops.png"), dpi=110)
+    fig, ax = plt.subplots(figsize=(14, 5))
+    for i, (sk, label, color) in enumerate(systems):
+        vals = [(r["systems"].get(sk, {}).get("held_bytes") or 0) / 1e9 for r in results]
+        ax.bar([v + (i - 1) * w for v in x], vals, w, label=label, color=color)
+    plan = [r["systems"]["ours"].get("plan_bytes", 0) / 1e9 if "plan_bytes" in r["systems"]["ours"] else 0
+            for r in results]
+    ax.scatter([v - w for v in x], plan, marker="_", s=300, color="black", label="plan 4TKn + O(TK)", zorder=3)
+    ax.set_yscale("log")
+    ax.set_ylabel("GB held between forward and backward (log)")
+    ax.set_xticks(list(x))
+    ax.set_xticklabels(names, rotation=30, ha="right")
+    ax.legend()
+    ax.grid(axis="y", alpha=0.3)
+    ax.set_title("activation memory kept for backward")
+    fig.tight_layout()
+    fig.savefig(os.path.join(outdir, "side_by_side_memory.png"), dpi=110)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--configs", help="comma-separated config names (default: all)")
+    ap.add_argument("--configs-file", default=tb.DEFAULT_CONFIGS)
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--counts", default="histc")
+    ap.add_argument("--score-mul", default="fp32")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--plots", help="folder for the PNG plots")
+    ap.add_argument("--commit", default="unknown")
+    args = ap.parse_args()
+    device = torch.device("cuda")
+    cfgs = json.load(open(args.configs_file))
+    if args.configs:
+        want = set(args.configs.split(","))
+        cfgs = [c for c in cfgs if c["name"] in want]
+    from tqdm import tqdm
+    results = []
+    driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                            capture_output=True, text=True).stdout.strip().splitlines()[0]
+    doc = {"commit": args.commit, "gpu": torch.cuda.get_device_name(), "driver": driver,
+           "cuda": torch.version.cuda, "torch": torch.__version__,
+           "date": subprocess.run(["date", "+%F"], capture_output=True, text=True).stdout.strip(),
+           "results": results}
+    bar = tqdm(cfgs, unit="cfg")
+    for cfg in bar:
+        bar.set_postfix_str(cfg["name"])
+        conf = {k: cfg[k] for k in ("name", "T", "d", "n", "E", "K")}
+        ours = run_system(bench_ours, cfg, args, device)
+        torch_res = run_system(tb.bench_config, cfg, args, device)
+        sonic = {"error": SONIC_REASON} if SONIC_REASON else {"error": "importable but not wired in"}
+        entry = {"config": conf, "systems": {"ours": ours, "torch_grouped_mm": torch_res, "sonicmoe": sonic}}
+        if "error" not in ours and "error" not in torch_res:
+            entry["speedup_vs_torch"] = torch_res["fwd_bwd_ms"] / ours["fwd_bwd_ms"]
+        results.append(entry)
+        json.dump(doc, open(args.out, "w"), indent=1)
+    print(f"\n{'config':20s} {'ours f/b/tot TF':>20s} {'torch f/b/tot TF':>20s} {'speedup':>8s} {'ours GB':>8s} {'torch GB':>8s}")
+    for r in results:
+        o, t = r["systems"]["ours"], r["systems"]["torch_grouped_mm"]
+        def trip(s):
+            return "error" if "error" in s else f"{s['fwd_tflops']:.0f}/{s['bwd_tflops']:.0f}/{s['total_tflops']:.0f}"
+        def gb(s):
+            return "-" if "error" in s else f"{s['held_bytes'] / 1e9:.2f}"
+        sp = f"{r['speedup_vs_torch']:.2f}x" if "speedup_vs_torch" in r else "-"
+        print(f"{r['config']['name']:20s} {trip(o):>20s} {trip(t):>20s} {sp:>8s} {gb(o):>8s} {gb(t):>8s}")
+    if args.plots:
+        plots(results, args.plots)
+
+
+if __name__ == "__main__":
+    main()
