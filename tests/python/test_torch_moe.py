@@ -41,13 +41,14 @@ def ref_moe(x, wr, w1, w2, w3, K):
 def draw(T, d, n, E, K, gen):
     """bf16 inputs whose K-th and (K+1)-th router logits are not near-ties (so fp32 and the
     library's cuBLAS logits pick the same experts)."""
-    for _ in range(20):
+    for _ in range(50):
         x = torch.randn(T, d, generator=gen, device="cuda").bfloat16()
         wr = (torch.randn(E, d, generator=gen, device="cuda") / math.sqrt(d)).bfloat16()
         logits = x.float() @ wr.float().T
         if K < E:
             top = logits.topk(K + 1, dim=-1).values
-            if (top[:, K - 1] - top[:, K]).min() < 1e-3:
+            # fp32 vs cuBLAS accumulation order differs by ~1e-6 here; 2e-4 is a wide margin
+            if (top[:, K - 1] - top[:, K]).min() < 2e-4:
                 continue
         w1 = (torch.randn(E, n, d, generator=gen, device="cuda") / math.sqrt(d)).bfloat16()
         w3 = (torch.randn(E, n, d, generator=gen, device="cuda") / math.sqrt(d)).bfloat16()
@@ -112,27 +113,26 @@ def test_torch_compile_fullgraph_matches_eager():
         assert rel_l2(pc.grad, pe.grad) <= 1e-3
 
 
-def test_bad_inputs_raise_documented_errors():
+BAD_INPUTS = {
+    "dtype": (lambda x, wr, w1i, w2, K: (x.float(), wr, w1i, w2, K), "x must have dtype"),
+    "contiguous": (lambda x, wr, w1i, w2, K: (x.t().contiguous().t(), wr, w1i, w2, K), "x must be contiguous"),
+    "device": (lambda x, wr, w1i, w2, K: (x.cpu(), wr, w1i, w2, K), "x must be a CUDA tensor"),
+    "top_k": (lambda x, wr, w1i, w2, K: (x, wr, w1i, w2, 17), "top_k = 17 must be in"),
+    "w2_shape": (lambda x, wr, w1i, w2, K: (x, wr, w1i, w2[:, :, :32].contiguous(), K), "w2 must be"),
+    "d_multiple": (lambda x, wr, w1i, w2, K: (x[:, :96].contiguous(), wr[:, :96].contiguous(),
+                                              w1i[:, :, :96].contiguous(), w2[:, :96].contiguous(), K),
+                   "multiple of 64"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_bad_inputs_raise_documented_errors(case):
     T, d, n, E, K = 64, 128, 64, 8, 2
     x, wr, w1, w2, w3, _ = draw(T, d, n, E, K, fresh_gen())
     w1i = torch.stack((w1, w3), dim=2).reshape(E, 2 * n, d)
-    op = torch.ops.smoe.moe_forward
-    with pytest.raises(RuntimeError, match="x must have dtype"):
-        op(x.float(), wr, w1i, w2, K)
-    with pytest.raises(RuntimeError, match="x must be contiguous"):
-        op(x.t().contiguous().t(), wr, w1i, w2, K)
-    with pytest.raises(RuntimeError, match="x must be a CUDA tensor"):
-        op(x.cpu(), wr, w1i, w2, K)
-    with pytest.raises(RuntimeError, match="top_k"):
-        op(x, wr, w1i, w2, 17)
-    with pytest.raises(RuntimeError, match="w2 must be"):
-        op(x, wr, w1i, w2[:, :, :32].contiguous(), K)
-    d_bad = 96
-    xb = torch.randn(T, d_bad, device="cuda").bfloat16()
-    with pytest.raises(RuntimeError, match="multiple of 64"):
-        op(xb, torch.randn(E, d_bad, device="cuda").bfloat16(),
-           torch.randn(E, 2 * n, d_bad, device="cuda").bfloat16(),
-           torch.randn(E, d_bad, n, device="cuda").bfloat16(), K)
+    make, message = BAD_INPUTS[case]
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.smoe.moe_forward(*make(x, wr, w1i, w2, K))
 
 
 def test_torchtitan_state_dict_loads_unchanged():

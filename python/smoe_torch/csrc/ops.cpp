@@ -31,6 +31,8 @@ void throw_if(const smoe::Status& s) {
 
 smoe::MoEShape layer_shape(const at::Tensor& x, const at::Tensor& w_router, const at::Tensor& w1,
                            const at::Tensor& w2, int64_t top_k) {
+  const int64_t max_k = smoe::kMaxTopK;
+  TORCH_CHECK(top_k >= 1 && top_k <= max_k, "smoe: top_k = ", top_k, " must be in [1, ", max_k, "]");
   check_tensor(x, "x", at::kBFloat16, 2);
   check_tensor(w_router, "w_router", at::kBFloat16, 2);
   check_tensor(w1, "w1", at::kBFloat16, 3);
@@ -46,8 +48,6 @@ smoe::MoEShape layer_shape(const at::Tensor& x, const at::Tensor& w_router, cons
               ", ", d, ", ", n, "] (got ", w2.sizes(), ")");
   TORCH_CHECK(x.device() == w_router.device() && x.device() == w1.device() && x.device() == w2.device(),
               "smoe: x, w_router, w1 and w2 must be on the same device");
-  TORCH_CHECK(top_k >= 1 && top_k <= smoe::kMaxTopK, "smoe: top_k = ", top_k, " must be in [1, ",
-              smoe::kMaxTopK, "]");
   smoe::MoEShape s{T, static_cast<int>(d), static_cast<int>(n), static_cast<int>(E), static_cast<int>(top_k)};
   throw_if(smoe::moe_can_implement(s));
   return s;
