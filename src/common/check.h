@@ -2,8 +2,9 @@
 #pragma once
 
 #include <cstdint>
-#include <sstream>
+#include <cstdio>
 #include <string>
+#include <type_traits>
 
 #include <cuda_runtime_api.h>
 
@@ -14,11 +15,27 @@ namespace detail {
 
 inline Status make_status(StatusCode code, const std::string& msg) { return Status{code, msg}; }
 
+// Message building without iostreams: numbers through std::to_string, pointers through
+// snprintf. Why: in the PyTorch extension, built on the GPU machine by a toolchain whose
+// libstdc++ differs from the one the Python process loads, ostream number formatting (num_put
+// facets of the process's locale) crashed; to_string and snprintf use no locale.
+inline void append(std::string& s, const char* v) { s += v ? v : "(null)"; }
+inline void append(std::string& s, const std::string& v) { s += v; }
+inline void append(std::string& s, const void* p) {
+  char b[32];
+  std::snprintf(b, sizeof b, "%p", p);
+  s += b;
+}
+template <typename T>
+std::enable_if_t<std::is_arithmetic_v<T>> append(std::string& s, T v) {
+  s += std::to_string(v);
+}
+
 template <typename... Args>
 std::string concat(const Args&... args) {
-  std::ostringstream os;
-  (os << ... << args);
-  return os.str();
+  std::string s;
+  (append(s, args), ...);
+  return s;
 }
 
 inline bool is_aligned(const void* p, size_t a) {

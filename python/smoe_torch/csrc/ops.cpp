@@ -15,11 +15,21 @@
 
 namespace {
 
+// Numbers and shapes are formatted with std::to_string, never with iostreams: built on the GPU
+// machine, this extension crashed formatting an integer through the process's locale (a
+// libstdc++ mismatch between the build toolchain and the one Python loads).
+std::string num(int64_t v) { return std::to_string(v); }
+std::string dims(at::IntArrayRef a) {
+  std::string s = "[";
+  for (size_t i = 0; i < a.size(); ++i) s += (i ? ", " : "") + std::to_string(a[i]);
+  return s + "]";
+}
+
 void check_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t dim) {
   TORCH_CHECK(t.is_cuda(), "smoe: ", name, " must be a CUDA tensor (got device ", t.device(), ")");
   TORCH_CHECK(t.scalar_type() == dtype, "smoe: ", name, " must have dtype ", dtype, " (got ",
               t.scalar_type(), ")");
-  TORCH_CHECK(t.dim() == dim, "smoe: ", name, " must have ", dim, " dimensions (got shape ", t.sizes(), ")");
+  TORCH_CHECK(t.dim() == dim, "smoe: ", name, " must have ", num(dim), " dimensions (got shape ", dims(t.sizes()), ")");
   TORCH_CHECK(t.is_contiguous(), "smoe: ", name, " must be contiguous");
   TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, "smoe: ", name,
               " must be 16-byte aligned (a view at an odd offset is not)");
@@ -31,21 +41,21 @@ void throw_if(const smoe::Status& s) {
 
 smoe::MoEShape layer_shape(const at::Tensor& x, const at::Tensor& w_router, const at::Tensor& w1,
                            const at::Tensor& w2, int64_t top_k) {
-  const int64_t max_k = smoe::kMaxTopK;
-  TORCH_CHECK(top_k >= 1 && top_k <= max_k, "smoe: top_k = ", top_k, " must be in [1, ", max_k, "]");
+  TORCH_CHECK(top_k >= 1 && top_k <= smoe::kMaxTopK, "smoe: top_k = ", num(top_k), " must be in [1, ",
+              num(smoe::kMaxTopK), "]");
   check_tensor(x, "x", at::kBFloat16, 2);
   check_tensor(w_router, "w_router", at::kBFloat16, 2);
   check_tensor(w1, "w1", at::kBFloat16, 3);
   check_tensor(w2, "w2", at::kBFloat16, 3);
   const int64_t T = x.size(0), d = x.size(1), E = w_router.size(0);
-  TORCH_CHECK(w_router.size(1) == d, "smoe: w_router must be [E, d] with d = x.size(1) = ", d, " (got ",
-              w_router.sizes(), ")");
+  TORCH_CHECK(w_router.size(1) == d, "smoe: w_router must be [E, d] with d = x.size(1) = ", num(d), " (got ",
+              dims(w_router.sizes()), ")");
   TORCH_CHECK(w1.size(0) == E && w1.size(2) == d && w1.size(1) % 2 == 0,
-              "smoe: w1 must be [E, 2n, d] (gate/up interleaved) with E = ", E, ", d = ", d, " (got ",
-              w1.sizes(), ")");
+              "smoe: w1 must be [E, 2n, d] (gate/up interleaved) with E = ", num(E), ", d = ", num(d), " (got ",
+              dims(w1.sizes()), ")");
   const int64_t n = w1.size(1) / 2;
-  TORCH_CHECK(w2.size(0) == E && w2.size(1) == d && w2.size(2) == n, "smoe: w2 must be [E, d, n] = [", E,
-              ", ", d, ", ", n, "] (got ", w2.sizes(), ")");
+  TORCH_CHECK(w2.size(0) == E && w2.size(1) == d && w2.size(2) == n, "smoe: w2 must be [E, d, n] = ",
+              dims({E, d, n}), " (got ", dims(w2.sizes()), ")");
   TORCH_CHECK(x.device() == w_router.device() && x.device() == w1.device() && x.device() == w2.device(),
               "smoe: x, w_router, w1 and w2 must be on the same device");
   smoe::MoEShape s{T, static_cast<int>(d), static_cast<int>(n), static_cast<int>(E), static_cast<int>(top_k)};
@@ -100,8 +110,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_backward(
     const at::Tensor& w2, const at::Tensor& saved, int64_t top_k) {
   const smoe::MoEShape s = layer_shape(x, w_router, w1, w2, top_k);
   check_tensor(dout, "dout", at::kBFloat16, 2);
-  TORCH_CHECK(dout.sizes() == x.sizes(), "smoe: dout must have the shape of x ", x.sizes(), " (got ",
-              dout.sizes(), ")");
+  TORCH_CHECK(dout.sizes() == x.sizes(), "smoe: dout must have the shape of x ", dims(x.sizes()), " (got ",
+              dims(dout.sizes()), ")");
   TORCH_CHECK(saved.is_cuda() && saved.scalar_type() == at::kByte &&
                   saved.numel() >= static_cast<int64_t>(smoe::moe_saved_state_size(s)),
               "smoe: saved must be the uint8 CUDA tensor returned by moe_forward for these shapes");
@@ -132,7 +142,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_backward(
 // expert_offset [E+1], scatter_idx [TK], reverse_scatter_idx [TK], gather_idx [TK]) all int32.
 std::vector<at::Tensor> topk_routing(const at::Tensor& logits, int64_t top_k) {
   TORCH_CHECK(logits.is_cuda() && logits.dim() == 2 && logits.is_contiguous(),
-              "smoe: logits must be a contiguous 2-D CUDA tensor [T, E] (got ", logits.sizes(), ")");
+              "smoe: logits must be a contiguous 2-D CUDA tensor [T, E] (got ", dims(logits.sizes()), ")");
   TORCH_CHECK(logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16,
               "smoe: logits must be float32 or bfloat16 (got ", logits.scalar_type(), ")");
   smoe::RoutingProblem p{logits.size(0), static_cast<int>(logits.size(1)), static_cast<int>(top_k),
