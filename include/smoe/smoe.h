@@ -86,7 +86,7 @@ enum DeviceStatusFlag : uint32_t {
 
 struct DeviceStatus {
   uint32_t flags;                  // OR of DeviceStatusFlag
-  uint32_t nonfinite_tokens;       // tokens with at least one non-finite logit (saturating count)
+  uint32_t nonfinite_tokens;       // tokens with at least one non-finite logit (mod 2^32)
   int64_t first_nonfinite_token;   // smallest such token index, INT64_MAX when none
 };
 

@@ -240,9 +240,7 @@ Status aggregate(const bf16* Y, const float* scores, const int32_t* rev, int K, 
 Status dh_ds(const bf16* H, bf16* dA_inout, const float* scores, const int32_t* scatter,
              int64_t rows, int n, bf16* dH, float* dS, cudaStream_t stream) {
   if (rows == 0) return Status{};
-  const int64_t warps_per_block = kThreads / 32;
   dh_kernel<<<grid_for(rows * 32), kThreads, 0, stream>>>(H, dA_inout, scores, scatter, rows, n, dH, dS);
-  (void)warps_per_block;
   SMOE_CHECK_LAUNCH("dh_kernel");
   return Status{};
 }
