@@ -153,6 +153,7 @@ struct MoEWeights {
 // What forward keeps for backward lives in one caller buffer of saved_state_size(shape) bytes:
 // H [TK][2n] bf16 (pre-activation), scores, topk experts and the routing metadata: about
 // 4*T*K*n + O(T*K) bytes. Nothing of size O(T*K*d) is kept; x is the caller's own tensor.
+// The size queries return 0 for a shape moe_can_implement rejects.
 size_t moe_saved_state_size(const MoEShape& shape);
 size_t moe_forward_workspace_size(const MoEShape& shape);
 size_t moe_backward_workspace_size(const MoEShape& shape);

@@ -202,7 +202,10 @@ Status moe_can_implement(const MoEShape& s) {
   return Status{};
 }
 
-size_t moe_saved_state_size(const MoEShape& s) { return saved_layout(s, nullptr).bytes; }
+size_t moe_saved_state_size(const MoEShape& s) {
+  if (!moe_can_implement(s).ok()) return 0;  // forward/backward report the broken rule
+  return saved_layout(s, nullptr).bytes;
+}
 MoESavedView moe_saved_state_view(const MoEShape& s, void* saved) { return saved_layout(s, saved).v; }
 size_t moe_forward_workspace_size(const MoEShape& s) {
   if (!moe_can_implement(s).ok()) return 0;
