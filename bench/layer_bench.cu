@@ -11,6 +11,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
 
+#include "device_random.cuh"
 #include "moe/profile.h"
 #include "smoe/smoe.h"
 
@@ -31,24 +32,6 @@ int64_t field_int(const std::string& obj, const std::string& key) {
   const size_t k = obj.find("\"" + key + "\"");
   if (k == std::string::npos) return -1;
   return std::stoll(obj.substr(obj.find(':', k) + 1));
-}
-
-// ---- device init ----------------------------------------------------------------------------------
-__device__ __forceinline__ uint64_t mix(uint64_t z) {
-  z += 0x9E3779B97F4A7C15ull;
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
-
-__global__ void fill_normal(bf16* p, int64_t n, uint64_t seed, float scale) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const uint64_t r = mix(seed ^ mix(static_cast<uint64_t>(i)));
-    const float u1 = ((r >> 40) + 1.0f) * (1.0f / 16777217.0f);
-    const float u2 = ((r & 0xFFFFFF) + 0.5f) * (1.0f / 16777216.0f);
-    p[i] = __float2bfloat16(scale * sqrtf(-2.f * logf(u1)) * cospif(2.f * u2));
-  }
 }
 
 #define BENCH_CUDA(expr)                                                           \
@@ -174,11 +157,11 @@ Result run_layer(const Config& c, int warmup, int reps) {
     return r;
   }
   const uint64_t seed = static_cast<uint64_t>(std::time(nullptr));
-  fill_normal<<<4096, 256>>>(x, Td, seed + 1, 1.0f);
-  fill_normal<<<4096, 256>>>(dout, Td, seed + 2, 1.0f);
-  fill_normal<<<4096, 256>>>(wr, wrn, seed + 3, 1.0f / std::sqrt(static_cast<float>(c.d)));
-  fill_normal<<<4096, 256>>>(w1, w1n, seed + 4, 1.0f / std::sqrt(static_cast<float>(c.d)));
-  fill_normal<<<4096, 256>>>(w2, w2n, seed + 5, 1.0f / std::sqrt(static_cast<float>(c.n)));
+  smoe_test::fill_normal_kernel<<<4096, 256>>>(x, Td, seed + 1, 1.0f);
+  smoe_test::fill_normal_kernel<<<4096, 256>>>(dout, Td, seed + 2, 1.0f);
+  smoe_test::fill_normal_kernel<<<4096, 256>>>(wr, wrn, seed + 3, 1.0f / std::sqrt(static_cast<float>(c.d)));
+  smoe_test::fill_normal_kernel<<<4096, 256>>>(w1, w1n, seed + 4, 1.0f / std::sqrt(static_cast<float>(c.d)));
+  smoe_test::fill_normal_kernel<<<4096, 256>>>(w2, w2n, seed + 5, 1.0f / std::sqrt(static_cast<float>(c.n)));
   BENCH_CUDA(cudaGetLastError());
   BENCH_SMOE(smoe::reset_device_status(st, 0));
 

@@ -15,6 +15,7 @@
 #include <gtest/gtest.h>
 
 #include "gpu/gpu_util.h"
+#include "device_random.cuh"
 #include "gpu/layer_ref_gpu.h"
 #include "smoe/reference.h"
 #include "smoe/smoe.h"
@@ -87,22 +88,6 @@ Inputs make_inputs(const smoe::MoEShape& s, uint64_t seed, int hot_expert = -1) 
   return in;
 }
 
-// Device-side random normal bf16 (large configs: host generation of 10^10 values is too slow).
-__device__ __forceinline__ uint64_t mix64(uint64_t z) {
-  z += 0x9E3779B97F4A7C15ull;
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
-__global__ void fill_normal_kernel(bf16* p, int64_t n, uint64_t seed, float scale) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const uint64_t r = mix64(seed ^ mix64(static_cast<uint64_t>(i)));
-    const float u1 = ((r >> 40) + 1.0f) * (1.0f / 16777217.0f);
-    const float u2 = ((r & 0xFFFFFF) + 0.5f) * (1.0f / 16777216.0f);
-    p[i] = __float2bfloat16(scale * sqrtf(-2.f * logf(u1)) * cospif(2.f * u2));
-  }
-}
 // Per-block partial sums of (got - ref)^2 and ref^2 in double; NaN in got propagates.
 template <typename G>
 __global__ void err_kernel(const G* got, const float* ref, int64_t n, double* partial) {
@@ -175,7 +160,7 @@ struct GpuLayer {
 
   void fill_random(uint64_t seed) {
     auto fillb = [&](DeviceBuffer<bf16>& b, uint64_t k, float scale) {
-      fill_normal_kernel<<<2048, 256>>>(b.get(), static_cast<int64_t>(b.size()), seed * 16 + k, scale);
+      smoe_test::fill_normal_kernel<<<2048, 256>>>(b.get(), static_cast<int64_t>(b.size()), seed * 16 + k, scale);
     };
     fillb(x, 1, 1.f);
     fillb(dout, 2, 1.f);
