@@ -38,6 +38,11 @@ std::string concat(const Args&... args) {
   return s;
 }
 
+// Workspace carving rounds every region up to kWorkspaceAlignment (256) bytes.
+inline size_t align_workspace(size_t bytes) {
+  return (bytes + kWorkspaceAlignment - 1) / kWorkspaceAlignment * kWorkspaceAlignment;
+}
+
 inline bool is_aligned(const void* p, size_t a) {
   return (reinterpret_cast<uintptr_t>(p) % a) == 0;
 }

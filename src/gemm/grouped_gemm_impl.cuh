@@ -64,7 +64,7 @@ struct GroupedGemm {
     char* cutlass_ws;
   };
 
-  static size_t align(size_t x) { return (x + 255) / 256 * 256; }
+  static size_t align(size_t x) { return ::smoe::detail::align_workspace(x); }
 
   static size_t arrays_bytes(int groups) {
     return align(sizeof(UnderlyingShape) * groups) + 3 * align(sizeof(void*) * groups) +

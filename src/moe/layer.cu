@@ -40,8 +40,6 @@ namespace {
 
 constexpr size_t kCublasWorkspace = size_t{32} << 20;  // cuBLAS' recommendation for Hopper
 
-size_t align_up(size_t x) { return (x + kWorkspaceAlignment - 1) / kWorkspaceAlignment * kWorkspaceAlignment; }
-
 // Sequential carving of a caller buffer; also used with base == nullptr to compute sizes.
 class Carver {
  public:
@@ -49,7 +47,7 @@ class Carver {
   template <typename T>
   T* take(size_t count) {
     char* p = base_ ? base_ + used_ : nullptr;
-    used_ += align_up(sizeof(T) * count);
+    used_ += detail::align_workspace(sizeof(T) * count);
     return reinterpret_cast<T*>(p);
   }
   size_t used() const { return used_; }

@@ -160,8 +160,6 @@ int key_bits(int E) {
   return b;
 }
 
-size_t align_up(size_t x) { return (x + kWorkspaceAlignment - 1) / kWorkspaceAlignment * kWorkspaceAlignment; }
-
 // Workspace: [sorted expert keys: TK u32][iota values: TK u32][CUB temp]
 struct RoutingWorkspace {
   size_t keys_off = 0, vals_off = 0, cub_off = 0, cub_bytes = 0, total = 0;
@@ -170,8 +168,8 @@ struct RoutingWorkspace {
 Status plan_workspace(const RoutingProblem& p, RoutingWorkspace* ws) {
   const int64_t tk = p.num_tokens * p.top_k;
   ws->keys_off = 0;
-  ws->vals_off = align_up(sizeof(uint32_t) * tk);
-  ws->cub_off = ws->vals_off + align_up(sizeof(uint32_t) * tk);
+  ws->vals_off = detail::align_workspace(sizeof(uint32_t) * tk);
+  ws->cub_off = ws->vals_off + detail::align_workspace(sizeof(uint32_t) * tk);
   ws->cub_bytes = 0;
   if (tk > 0) {
     SMOE_CUDA_RETURN(cub::DeviceRadixSort::SortPairs(
@@ -179,7 +177,7 @@ Status plan_workspace(const RoutingProblem& p, RoutingWorkspace* ws) {
         static_cast<const uint32_t*>(nullptr), static_cast<uint32_t*>(nullptr),
         static_cast<int>(tk), 0, key_bits(p.num_experts)));
   }
-  ws->total = ws->cub_off + align_up(ws->cub_bytes);
+  ws->total = ws->cub_off + detail::align_workspace(ws->cub_bytes);
   return Status{};
 }
 
