@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Side-by-side benchmark in one process: (a) this library through its torch op, (b) the torch
-grouped_mm baseline (torchtitan pattern, bench/torch_baseline.py), (c) SonicMoE if importable.
+grouped_mm baseline (torchtitan pattern, bench/torch_baseline.py), (c) SonicMoE 0.1.2.post1 if importable
+(bench/sonicmoe_env.sh installs it on the GPU machine).
 
 Same inputs for (a) and (b) (torch_baseline.make_inputs); the same timing (CUDA events, warm-up,
 median) and memory accounting (memory_allocated after forward minus before, less the output).
@@ -25,30 +26,29 @@ import torch_baseline as tb  # noqa: E402
 SONIC_REASON = None
 try:
     import sonicmoe  # noqa: F401
+    from sonicmoe.enums import ActivationType
 except Exception as e:  # noqa: BLE001
     SONIC_REASON = (
-        f"import sonicmoe failed ({type(e).__name__}: {e}). sonic-moe 0.1.2.post1 needs "
-        "nvidia-cutlass-dsl==4.4.2, whose nvidia-cutlass-dsl-libs-base (74 MB) and -libs-cu13 (78 MB) "
-        "wheels are each larger than the 64 MiB a device call can carry, quack-kernels (its newer "
-        "releases need cutlass-dsl>=4.7, conflicting with that pin), apache-tvm-ffi, and torch<=2.9.1 "
-        "(the device has torch 2.11); the GPU machine has no network to fetch them")
+        f"import sonicmoe failed ({type(e).__name__}: {e}). It is not installed on the GPU machine "
+        "(no network there); bench/sonicmoe_env.sh packs sonic-moe 0.1.2.post1 and its dependencies "
+        "into .whl/ and installs them there")
 
 
-def bench_ours(cfg, args, device):
-    import smoe_torch  # noqa: F401
+def interleave_w13(w1, w3):
+    """torchtitan w1 [E][n][d] (gate) and w3 [E][n][d] (up) -> [E][2n][d], gate/up alternating by row
+    (the layout of this library and of SonicMoE's concat_layout=False)."""
+    E, n, d = w1.shape
+    return torch.stack((w1.detach(), w3.detach()), dim=2).reshape(E, 2 * n, d).contiguous().requires_grad_(True)
+
+
+def measure(fwd, params, dout, cfg, args, device):
+    """Time forward and forward+backward (CUDA events, median), then measure the bytes held between
+    them: memory_allocated after the forward, less before, less the output itself."""
     T, d, n, E, K = (int(cfg[k]) for k in ("T", "d", "n", "E", "K"))
-    x, w_router, w1, w3, w2, dout = tb.make_inputs(T, d, n, E, device, seed=args.seed)
-    w1i = torch.stack((w1.detach(), w3.detach()), dim=2).reshape(E, 2 * n, d).contiguous().requires_grad_(True)
-    del w1, w3
-    params = (x, w_router, w1i, w2)
 
     def zero_grads():
         for p in params:
             p.grad = None
-
-    def fwd():
-        out, _ = torch.ops.smoe.moe_forward(x, w_router, w1i, w2, K)
-        return out
 
     def fwd_bwd():
         fwd().backward(dout)
@@ -72,16 +72,67 @@ def bench_ours(cfg, args, device):
     bwd_ms = tot_ms - fwd_ms
     return {"fwd_ms": fwd_ms, "bwd_ms": bwd_ms, "fwd_tflops": 6 * f / fwd_ms / 1e9,
             "bwd_tflops": 12 * f / bwd_ms / 1e9, "total_tflops": 18 * f / tot_ms / 1e9,
-            "held_bytes": int(held), "plan_bytes": int(4 * T * K * n + 20 * T * K + 4 * (2 * E + 1)),
-            "peak_bytes": int(peak), "base_bytes": int(base), "fwd_bwd_ms": tot_ms,
+            "held_bytes": int(held), "peak_bytes": int(peak), "base_bytes": int(base), "fwd_bwd_ms": tot_ms,
             "fwd_ms_min_max": [fwd_min, fwd_max], "fwd_bwd_ms_min_max": [tot_min, tot_max]}
+
+
+def bench_ours(cfg, args, device):
+    import smoe_torch  # noqa: F401
+    T, d, n, E, K = (int(cfg[k]) for k in ("T", "d", "n", "E", "K"))
+    x, w_router, w1, w3, w2, dout = tb.make_inputs(T, d, n, E, device, seed=args.seed)
+    w1i = interleave_w13(w1, w3)
+    del w1, w3
+
+    def fwd():
+        return torch.ops.smoe.moe_forward(x, w_router, w1i, w2, K)[0]
+
+    res = measure(fwd, (x, w_router, w1i, w2), dout, cfg, args, device)
+    res["plan_bytes"] = int(4 * T * K * n + 20 * T * K + 4 * (2 * E + 1))
+    return res
+
+
+def rel_l2(a, b):
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def bench_sonic(cfg, args, device):
+    """SonicMoE 0.1.2.post1 through moe_TC_softmax_topk_layer (its own router: softmax over the K chosen
+    logits, as ours). Its weight format is w1 (2n, d, E) with stride order (2, 0, 1), gate/up interleaved,
+    and w2 (d, n, E) likewise: exactly permute(1, 2, 0) of our [E][2n][d] and [E][d][n]. So both systems
+    see the very same tensors, and we also record how far apart their outputs and gradients are."""
+    import smoe_torch  # noqa: F401
+    T, d, n, E, K = (int(cfg[k]) for k in ("T", "d", "n", "E", "K"))
+    x, w_router, w1, w3, w2, dout = tb.make_inputs(T, d, n, E, device, seed=args.seed)
+    w1i = interleave_w13(w1, w3)
+    del w1, w3
+    stream = torch.cuda.current_stream().cuda_stream
+
+    def fwd():
+        return sonicmoe.moe_TC_softmax_topk_layer(x, w_router, w1i.permute(1, 2, 0), None, w2.permute(1, 2, 0),
+                                                  None, K, stream, ActivationType.SWIGLU, False)[0]
+
+    params = (x, w_router, w1i, w2)
+    res = measure(fwd, params, dout, cfg, args, device)
+    # Agreement with this library at the same inputs (both bf16; neither is the reference).
+    outs = {}
+    for name, f in (("sonic", fwd), ("ours", lambda: torch.ops.smoe.moe_forward(x, w_router, w1i, w2, K)[0])):
+        for p in params:
+            p.grad = None
+        o = f()
+        o.backward(dout)
+        outs[name] = [o.detach()] + [p.grad for p in params]
+    res["rel_l2_vs_ours"] = {k: rel_l2(a, b) for k, a, b in
+                             zip(("out", "dx", "dw_router", "dw1", "dw2"), outs["sonic"], outs["ours"])}
+    return res
 
 
 def run_system(fn, cfg, args, device):
     try:
         return fn(cfg, args, device)
     except Exception as e:  # noqa: BLE001  (OOM or anything else: record and go on)
-        return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        import traceback
+        return {"error": f"{type(e).__name__}: {str(e)[:300]}", "traceback_tail": traceback.format_exc()[-2000:]}
     finally:
         gc.collect()
         torch.cuda.empty_cache()
@@ -166,21 +217,30 @@ def main():
         conf = {k: cfg[k] for k in ("name", "T", "d", "n", "E", "K")}
         ours = run_system(bench_ours, cfg, args, device)
         torch_res = run_system(tb.bench_config, cfg, args, device)
-        sonic = {"error": SONIC_REASON} if SONIC_REASON else {"error": "importable but not wired in"}
+        sonic = {"error": SONIC_REASON} if SONIC_REASON else run_system(bench_sonic, cfg, args, device)
         entry = {"config": conf, "systems": {"ours": ours, "torch_grouped_mm": torch_res, "sonicmoe": sonic}}
         if "error" not in ours and "error" not in torch_res:
             entry["speedup_vs_torch"] = torch_res["fwd_bwd_ms"] / ours["fwd_bwd_ms"]
+        if "error" not in ours and "error" not in sonic:
+            entry["speedup_vs_sonicmoe"] = sonic["fwd_bwd_ms"] / ours["fwd_bwd_ms"]
         results.append(entry)
         json.dump(doc, open(args.out, "w"), indent=1)
-    print(f"\n{'config':20s} {'ours f/b/tot TF':>20s} {'torch f/b/tot TF':>20s} {'speedup':>8s} {'ours GB':>8s} {'torch GB':>8s}")
+    def trip(s):
+        return "error" if "error" in s else f"{s['fwd_tflops']:.0f}/{s['bwd_tflops']:.0f}/{s['total_tflops']:.0f}"
+
+    def gb(s):
+        return "-" if "error" in s else f"{s['held_bytes'] / 1e9:.2f}"
+
+    print(f"\n{'config':20s} {'TFLOP/s fwd/bwd/total:':>22s} {'ours':>12s} {'torch':>12s} {'sonicmoe':>12s}"
+          f" {'x torch':>8s} {'x sonic':>8s}   GB held: ours / torch / sonic")
     for r in results:
-        o, t = r["systems"]["ours"], r["systems"]["torch_grouped_mm"]
-        def trip(s):
-            return "error" if "error" in s else f"{s['fwd_tflops']:.0f}/{s['bwd_tflops']:.0f}/{s['total_tflops']:.0f}"
-        def gb(s):
-            return "-" if "error" in s else f"{s['held_bytes'] / 1e9:.2f}"
-        sp = f"{r['speedup_vs_torch']:.2f}x" if "speedup_vs_torch" in r else "-"
-        print(f"{r['config']['name']:20s} {trip(o):>20s} {trip(t):>20s} {sp:>8s} {gb(o):>8s} {gb(t):>8s}")
+        o, t, so = (r["systems"][k] for k in ("ours", "torch_grouped_mm", "sonicmoe"))
+        sp = f"{r['speedup_vs_torch']:.2f}" if "speedup_vs_torch" in r else "-"
+        ss = f"{r['speedup_vs_sonicmoe']:.2f}" if "speedup_vs_sonicmoe" in r else "-"
+        print(f"{r['config']['name']:20s} {'':>22s} {trip(o):>12s} {trip(t):>12s} {trip(so):>12s} {sp:>8s} {ss:>8s}"
+              f"   {gb(o)} / {gb(t)} / {gb(so)}")
+    if SONIC_REASON:
+        print("sonicmoe:", SONIC_REASON)
     if args.plots:
         plots(results, args.plots)
 
