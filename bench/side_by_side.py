@@ -91,9 +91,17 @@ def bench_ours(cfg, args, device):
     return res
 
 
-def rel_l2(a, b):
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+def rel_l2(a, b, rows=None):
+    """||a - b|| / ||b||, accumulated in float64 over chunks (the weight gradients of the largest configs
+    are 7.5e9 elements: a whole-tensor float64 copy would not fit). rows: optional boolean row mask."""
+    if rows is not None:
+        a, b = a[rows], b[rows]
+    num = den = 0.0
+    for ca, cb in zip(a.reshape(-1).split(1 << 26), b.reshape(-1).split(1 << 26)):
+        ca, cb = ca.double(), cb.double()
+        num += float((ca - cb).square().sum())
+        den += float(cb.square().sum())
+    return (num / max(den, 1e-300)) ** 0.5
 
 
 def bench_sonic(cfg, args, device):
@@ -101,7 +109,6 @@ def bench_sonic(cfg, args, device):
     logits, as ours). Its weight format is w1 (2n, d, E) with stride order (2, 0, 1), gate/up interleaved,
     and w2 (d, n, E) likewise: exactly permute(1, 2, 0) of our [E][2n][d] and [E][d][n]. So both systems
     see the very same tensors, and we also record how far apart their outputs and gradients are."""
-    import smoe_torch  # noqa: F401
     T, d, n, E, K = (int(cfg[k]) for k in ("T", "d", "n", "E", "K"))
     x, w_router, w1, w3, w2, dout = tb.make_inputs(T, d, n, E, device, seed=args.seed)
     w1i = interleave_w13(w1, w3)
@@ -114,17 +121,40 @@ def bench_sonic(cfg, args, device):
 
     params = (x, w_router, w1i, w2)
     res = measure(fwd, params, dout, cfg, args, device)
-    # Agreement with this library at the same inputs (both bf16; neither is the reference).
+    try:
+        res["agreement_with_ours"] = agreement(fwd, params, dout, K)
+    except Exception as e:  # noqa: BLE001  (the timing above stands on its own)
+        res["agreement_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    return res
+
+
+def agreement(sonic_fwd, params, dout, K):
+    """How far SonicMoE and this library are apart at the same inputs (both bf16, neither a reference).
+    SonicMoE's router takes top-K of bf16 logits (F.linear in bf16); ours of fp32 logits. Where two
+    logits are closer than bf16 resolution the K-th expert can differ, which moves that token's output
+    by O(its score). So we report the fraction of tokens whose expert sets differ, and the rel. L2 of
+    out and dx over all tokens and over the tokens whose sets agree (the like-for-like comparison)."""
+    import smoe_torch  # noqa: F401
+    x, w_router = params[0], params[1]
+    with torch.no_grad():
+        idx32 = torch.topk(x.float() @ w_router.float().t(), K, dim=1).indices.sort(dim=1).values
+        idx16 = torch.topk(torch.nn.functional.linear(x, w_router), K, dim=1).indices.sort(dim=1).values
+        same = (idx32 == idx16).all(dim=1)
     outs = {}
-    for name, f in (("sonic", fwd), ("ours", lambda: torch.ops.smoe.moe_forward(x, w_router, w1i, w2, K)[0])):
+    for name, f in (("sonic", sonic_fwd), ("ours", lambda: torch.ops.smoe.moe_forward(*params, K)[0])):
         for p in params:
             p.grad = None
         o = f()
         o.backward(dout)
         outs[name] = [o.detach()] + [p.grad for p in params]
-    res["rel_l2_vs_ours"] = {k: rel_l2(a, b) for k, a, b in
-                             zip(("out", "dx", "dw_router", "dw1", "dw2"), outs["sonic"], outs["ours"])}
-    return res
+        del o
+    for p in params:
+        p.grad = None
+    s, o = outs["sonic"], outs["ours"]
+    r = {"tokens_with_other_experts": float(1 - same.float().mean())}
+    r.update({f"{k}_all_tokens": rel_l2(a, b) for k, a, b in zip(("out", "dx", "dw_router", "dw1", "dw2"), s, o)})
+    r.update({f"{k}_same_experts": rel_l2(a, b, same) for k, a, b in zip(("out", "dx"), s[:2], o[:2])})
+    return r
 
 
 def run_system(fn, cfg, args, device):
@@ -197,7 +227,11 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--plots", help="folder for the PNG plots")
     ap.add_argument("--commit", default="unknown")
+    ap.add_argument("--systems", default="ours,torch,sonicmoe", help="which of ours,torch,sonicmoe to run")
     args = ap.parse_args()
+    if os.environ.get("SMOE_BENCH_STACKS"):  # debugging: dump every thread's stack every N seconds
+        import faulthandler
+        faulthandler.dump_traceback_later(int(os.environ["SMOE_BENCH_STACKS"]), repeat=True)
     device = torch.device("cuda")
     cfgs = json.load(open(args.configs_file))
     if args.configs:
@@ -215,9 +249,12 @@ def main():
     for cfg in bar:
         bar.set_postfix_str(cfg["name"])
         conf = {k: cfg[k] for k in ("name", "T", "d", "n", "E", "K")}
-        ours = run_system(bench_ours, cfg, args, device)
-        torch_res = run_system(tb.bench_config, cfg, args, device)
-        sonic = {"error": SONIC_REASON} if SONIC_REASON else run_system(bench_sonic, cfg, args, device)
+        want = args.systems.split(",")
+        skip = {"error": "not run (--systems)"}
+        ours = run_system(bench_ours, cfg, args, device) if "ours" in want else skip
+        torch_res = run_system(tb.bench_config, cfg, args, device) if "torch" in want else skip
+        sonic = ({"error": SONIC_REASON} if SONIC_REASON else run_system(bench_sonic, cfg, args, device)) \
+            if "sonicmoe" in want else skip
         entry = {"config": conf, "systems": {"ours": ours, "torch_grouped_mm": torch_res, "sonicmoe": sonic}}
         if "error" not in ours and "error" not in torch_res:
             entry["speedup_vs_torch"] = torch_res["fwd_bwd_ms"] / ours["fwd_bwd_ms"]
