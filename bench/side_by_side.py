@@ -168,7 +168,8 @@ def run_system(fn, cfg, args, device):
         torch.cuda.empty_cache()
 
 
-def plots(results, outdir):
+def plots(doc, outdir):
+    results = doc["results"]
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -184,8 +185,8 @@ def plots(results, outdir):
             vals = [r["systems"].get(sk, {}).get(key) or 0 for r in results]
             bars = ax.bar([v + (i - 1) * w for v in x], vals, w, label=label, color=color)
             for b, v in zip(bars, vals):
-                if v:
-                    ax.text(b.get_x() + b.get_width() / 2, v, f"{v:.0f}", ha="center", va="bottom", fontsize=7)
+                ax.text(b.get_x() + b.get_width() / 2, v, f"{v:.0f}" if v else "n/a", ha="center", va="bottom",
+                        fontsize=7, rotation=0 if v else 90)
         ax.set_ylabel("TFLOP/s")
         ax.set_title(f"{title} (FLOPs {'6' if key == 'fwd_tflops' else '12' if key == 'bwd_tflops' else '18'}TKdn)")
         ax.axhline(793, color="gray", ls=":", lw=1)
@@ -193,8 +194,8 @@ def plots(results, outdir):
     axes[0].legend(loc="upper left")
     axes[-1].set_xticks(list(x))
     axes[-1].set_xticklabels(names, rotation=30, ha="right")
-    fig.suptitle(f"MoE layer, bf16, {torch.cuda.get_device_name()} (dotted: dense bf16 GEMM 793 TFLOP/s)"
-                 + ("" if not SONIC_REASON else "; SonicMoE could not run, see JSON"))
+    fig.suptitle(f"MoE layer fwd+bwd, bf16, {doc['gpu']}, commit {doc['commit']} (dotted: dense bf16 GEMM "
+                 "793 TFLOP/s; n/a: no number, the JSON says why)")
     fig.tight_layout()
     fig.savefig(os.path.join(outdir, "side_by_side_tflops.png"), dpi=110)
     fig, ax = plt.subplots(figsize=(14, 5))
@@ -210,9 +211,40 @@ def plots(results, outdir):
     ax.set_xticklabels(names, rotation=30, ha="right")
     ax.legend()
     ax.grid(axis="y", alpha=0.3)
-    ax.set_title("activation memory kept for backward")
+    for i, (sk, _, _) in enumerate(systems):
+        for xi, r in zip(x, results):
+            if "held_bytes" not in r["systems"].get(sk, {}):
+                ax.text(xi + (i - 1) * w, ax.get_ylim()[0] * 1.1, "n/a", ha="center", va="bottom", fontsize=7,
+                        rotation=90)
+    ax.set_title(f"activation memory kept for backward ({doc['gpu']}, commit {doc['commit']})")
     fig.tight_layout()
     fig.savefig(os.path.join(outdir, "side_by_side_memory.png"), dpi=110)
+
+
+def table_md(doc, path):
+    """The results as a markdown table (what bench/README.md quotes)."""
+    def trip(r):
+        return "n/a" if "error" in r else f"{r['fwd_tflops']:.0f} / {r['bwd_tflops']:.0f} / {r['total_tflops']:.0f}"
+
+    def gb(r):
+        return "n/a" if "error" in r else f"{r['held_bytes'] / 1e9:.2f}"
+
+    lines = [f"Side by side on {doc['gpu']} (driver {doc['driver']}, torch {doc['torch']}), commit {doc['commit']}, "
+             f"{doc['date']}. TFLOP/s fwd / bwd / total (6, 12, 18 TKdn); GB held between forward and backward.",
+             "",
+             "| config | ours | torch grouped_mm | SonicMoE | ours vs torch | ours vs SonicMoE | GB ours / torch / SonicMoE |",
+             "|---|---|---|---|---|---|---|"]
+    for e in doc["results"]:
+        o, t, so = (e["systems"][k] for k in ("ours", "torch_grouped_mm", "sonicmoe"))
+        vt = f"{e['speedup_vs_torch']:.2f}x" if "speedup_vs_torch" in e else "n/a"
+        vs = f"{e['speedup_vs_sonicmoe']:.2f}x" if "speedup_vs_sonicmoe" in e else "n/a"
+        lines.append(f"| {e['config']['name']} | {trip(o)} | {trip(t)} | {trip(so)} | {vt} | {vs} | "
+                     f"{gb(o)} / {gb(t)} / {gb(so)} |")
+    errs = [(e["config"]["name"], k, r["error"]) for e in doc["results"] for k, r in e["systems"].items()
+            if "error" in r]
+    if errs:
+        lines += ["", "n/a:"] + [f"- {n}, {k}: {msg}" for n, k, msg in errs]
+    open(path, "w").write("\n".join(lines) + "\n")
 
 
 def main():
@@ -224,11 +256,19 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--counts", default="histc")
     ap.add_argument("--score-mul", default="fp32")
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", help="results JSON (required unless --replot)")
     ap.add_argument("--plots", help="folder for the PNG plots")
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--systems", default="ours,torch,sonicmoe", help="which of ours,torch,sonicmoe to run")
+    ap.add_argument("--replot", metavar="JSON", help="only redraw the plots of a results file (no GPU)")
     args = ap.parse_args()
+    if args.replot:
+        doc = json.load(open(args.replot))
+        plots(doc, args.plots or os.path.dirname(os.path.abspath(args.replot)))
+        table_md(doc, os.path.splitext(args.replot)[0] + ".md")
+        return
+    if not args.out:
+        ap.error("--out is required")
     if os.environ.get("SMOE_BENCH_STACKS"):  # debugging: dump every thread's stack every N seconds
         import faulthandler
         faulthandler.dump_traceback_later(int(os.environ["SMOE_BENCH_STACKS"]), repeat=True)
@@ -278,8 +318,9 @@ def main():
               f"   {gb(o)} / {gb(t)} / {gb(so)}")
     if SONIC_REASON:
         print("sonicmoe:", SONIC_REASON)
+    table_md(doc, os.path.splitext(args.out)[0] + ".md")
     if args.plots:
-        plots(results, args.plots)
+        plots(doc, args.plots)
 
 
 if __name__ == "__main__":
