@@ -3,7 +3,7 @@
 grouped_mm baseline (torchtitan pattern, bench/torch_baseline.py), (c) SonicMoE 0.1.2.post1 if importable
 (bench/sonicmoe_env.sh installs it on the GPU machine).
 
-Same inputs for (a) and (b) (torch_baseline.make_inputs); the same timing (CUDA events, warm-up,
+Same inputs for all three (torch_baseline.make_inputs); the same timing (torch_baseline.measure: CUDA events, warm-up,
 median) and memory accounting (memory_allocated after forward minus before, less the output).
 (a) calls torch.ops.smoe.moe_forward with gate/up already interleaved (the library's layout, as a
 caller that keeps its weights that way would); smoe_torch.MoE adds one stack of w1/w3 per step.
@@ -41,52 +41,22 @@ def interleave_w13(w1, w3):
     return torch.stack((w1.detach(), w3.detach()), dim=2).reshape(E, 2 * n, d).contiguous().requires_grad_(True)
 
 
-def measure(fwd, params, dout, cfg, args, device):
-    """Time forward and forward+backward (CUDA events, median), then measure the bytes held between
-    them: memory_allocated after the forward, less before, less the output itself."""
-    T, d, n, E, K = (int(cfg[k]) for k in ("T", "d", "n", "E", "K"))
+def layer_inputs(cfg, args, device):
+    """torch_baseline's inputs (same seed, same values) with w1/w3 interleaved into [E][2n][d]."""
+    T, d, n, E = (int(cfg[k]) for k in ("T", "d", "n", "E"))
+    x, w_router, w1, w3, w2, dout = tb.make_inputs(T, d, n, E, device, seed=args.seed)
+    return (x, w_router, interleave_w13(w1, w3), w2), dout
 
-    def zero_grads():
-        for p in params:
-            p.grad = None
 
-    def fwd_bwd():
-        fwd().backward(dout)
-
-    fwd_ms, fwd_min, fwd_max = tb.time_ms(fwd, args.reps, args.warmup, device)
-    tot_ms, tot_min, tot_max = tb.time_ms(fwd_bwd, args.reps, args.warmup, device, before=zero_grads)
-    zero_grads()
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats(device)
-    base = torch.cuda.memory_allocated(device)
-    out = fwd()
-    torch.cuda.synchronize()
-    after = torch.cuda.memory_allocated(device)
-    held = after - base - out.numel() * out.element_size()
-    out.backward(dout)
-    del out
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated(device)
-    f = float(T) * K * d * n
-    bwd_ms = tot_ms - fwd_ms
-    return {"fwd_ms": fwd_ms, "bwd_ms": bwd_ms, "fwd_tflops": 6 * f / fwd_ms / 1e9,
-            "bwd_tflops": 12 * f / bwd_ms / 1e9, "total_tflops": 18 * f / tot_ms / 1e9,
-            "held_bytes": int(held), "peak_bytes": int(peak), "base_bytes": int(base), "fwd_bwd_ms": tot_ms,
-            "fwd_ms_min_max": [fwd_min, fwd_max], "fwd_bwd_ms_min_max": [tot_min, tot_max]}
+def ours_forward(params, K):
+    return torch.ops.smoe.moe_forward(*params, K)[0]
 
 
 def bench_ours(cfg, args, device):
     import smoe_torch  # noqa: F401
-    T, d, n, E, K = (int(cfg[k]) for k in ("T", "d", "n", "E", "K"))
-    x, w_router, w1, w3, w2, dout = tb.make_inputs(T, d, n, E, device, seed=args.seed)
-    w1i = interleave_w13(w1, w3)
-    del w1, w3
-
-    def fwd():
-        return torch.ops.smoe.moe_forward(x, w_router, w1i, w2, K)[0]
-
-    res = measure(fwd, (x, w_router, w1i, w2), dout, cfg, args, device)
+    T, n, E, K = (int(cfg[k]) for k in ("T", "n", "E", "K"))
+    params, dout = layer_inputs(cfg, args, device)
+    res = tb.measure(lambda: ours_forward(params, K), params, dout, cfg, args, device)
     res["plan_bytes"] = int(4 * T * K * n + 20 * T * K + 4 * (2 * E + 1))
     return res
 
@@ -109,18 +79,16 @@ def bench_sonic(cfg, args, device):
     logits, as ours). Its weight format is w1 (2n, d, E) with stride order (2, 0, 1), gate/up interleaved,
     and w2 (d, n, E) likewise: exactly permute(1, 2, 0) of our [E][2n][d] and [E][d][n]. So both systems
     see the very same tensors, and we also record how far apart their outputs and gradients are."""
-    T, d, n, E, K = (int(cfg[k]) for k in ("T", "d", "n", "E", "K"))
-    x, w_router, w1, w3, w2, dout = tb.make_inputs(T, d, n, E, device, seed=args.seed)
-    w1i = interleave_w13(w1, w3)
-    del w1, w3
+    K = int(cfg["K"])
+    params, dout = layer_inputs(cfg, args, device)
+    x, w_router, w1i, w2 = params
     stream = torch.cuda.current_stream().cuda_stream
 
     def fwd():
         return sonicmoe.moe_TC_softmax_topk_layer(x, w_router, w1i.permute(1, 2, 0), None, w2.permute(1, 2, 0),
                                                   None, K, stream, ActivationType.SWIGLU, False)[0]
 
-    params = (x, w_router, w1i, w2)
-    res = measure(fwd, params, dout, cfg, args, device)
+    res = tb.measure(fwd, params, dout, cfg, args, device)
     try:
         res["agreement_with_ours"] = agreement(fwd, params, dout, K)
     except Exception as e:  # noqa: BLE001  (the timing above stands on its own)
@@ -141,7 +109,7 @@ def agreement(sonic_fwd, params, dout, K):
         idx16 = torch.topk(torch.nn.functional.linear(x, w_router), K, dim=1).indices.sort(dim=1).values
         same = (idx32 == idx16).all(dim=1)
     outs = {}
-    for name, f in (("sonic", sonic_fwd), ("ours", lambda: torch.ops.smoe.moe_forward(*params, K)[0])):
+    for name, f in (("sonic", sonic_fwd), ("ours", lambda: ours_forward(params, K))):
         for p in params:
             p.grad = None
         o = f()

@@ -196,19 +196,15 @@ def time_ms(fn, reps, warmup, device, before=None):
     return statistics.median(times), min(times), max(times)
 
 
-def bench_config(cfg, args, device):
-    T, d, n, E, K = (int(cfg[k]) for k in ("T", "d", "n", "E", "K"))
-    if d % 8 or n % 8:
-        raise RuntimeError(f"torch._grouped_mm (bf16) needs d and n multiples of 8, got d={d} n={n}")
-    x, w_router, w1, w3, w2, dout = make_inputs(T, d, n, E, device, seed=args.seed)
-    params = (x, w_router, w1, w3, w2)
+def measure(fwd, params, dout, cfg, args, device):
+    """Time fwd() and fwd().backward(dout) (median, see time_ms; grads of params cleared before each
+    call), then, on CUDA, the bytes held between forward and backward: memory_allocated after the
+    forward, less before, less the output itself. The one measurement every system here goes through."""
+    T, d, n, K = (int(cfg[k]) for k in ("T", "d", "n", "K"))
 
     def zero_grads():
         for p in params:
             p.grad = None
-
-    def fwd():
-        return moe_forward(x, w_router, w1, w3, w2, K, args.counts, args.score_mul)
 
     def fwd_bwd():
         fwd().backward(dout)
@@ -217,7 +213,7 @@ def bench_config(cfg, args, device):
     tot_ms, tot_min, tot_max = time_ms(fwd_bwd, args.reps, args.warmup, device, before=zero_grads)
     bwd_ms = tot_ms - fwd_ms
 
-    res = {}
+    res_mem = {"held_bytes": None, "peak_bytes": None, "base_bytes": None}
     if device.type == "cuda":
         zero_grads()
         gc.collect()
@@ -234,18 +230,11 @@ def bench_config(cfg, args, device):
         peak = torch.cuda.max_memory_allocated(device)
         res_mem = {"held_bytes": int(after - base - out_bytes), "peak_bytes": int(peak),
                    "base_bytes": int(base)}
-    else:
-        res_mem = {"held_bytes": None, "peak_bytes": None, "base_bytes": None}
-
-    # routing balance, for information (same seed -> same routing as the timed runs)
-    with torch.no_grad():
-        idx = (x @ w_router.t()).float().topk(K, dim=-1).indices.view(-1)
-        cnt = torch.bincount(idx, minlength=E).float()
-        imbalance = float(cnt.max() / cnt.mean())
+    zero_grads()
 
     flops_f = 6.0 * T * K * d * n
     flops_b = 12.0 * T * K * d * n
-    res.update({
+    return {
         "fwd_ms": fwd_ms, "bwd_ms": bwd_ms,
         "fwd_tflops": flops_f / (fwd_ms * 1e-3) / 1e12,
         "bwd_tflops": flops_b / (bwd_ms * 1e-3) / 1e12 if bwd_ms > 0 else None,
@@ -253,8 +242,28 @@ def bench_config(cfg, args, device):
         **res_mem,
         "fwd_bwd_ms": tot_ms,
         "fwd_ms_min_max": [fwd_min, fwd_max], "fwd_bwd_ms_min_max": [tot_min, tot_max],
-        "max_over_mean_tokens_per_expert": imbalance,
-    })
+    }
+
+
+def bench_config(cfg, args, device):
+    T, d, n, E, K = (int(cfg[k]) for k in ("T", "d", "n", "E", "K"))
+    if d % 8 or n % 8:
+        raise RuntimeError(f"torch._grouped_mm (bf16) needs d and n multiples of 8, got d={d} n={n}")
+    x, w_router, w1, w3, w2, dout = make_inputs(T, d, n, E, device, seed=args.seed)
+    params = (x, w_router, w1, w3, w2)
+
+    def fwd():
+        return moe_forward(x, w_router, w1, w3, w2, K, args.counts, args.score_mul)
+
+    res = measure(fwd, params, dout, cfg, args, device)
+
+    # routing balance, for information (same seed -> same routing as the timed runs)
+    with torch.no_grad():
+        idx = (x @ w_router.t()).float().topk(K, dim=-1).indices.view(-1)
+        cnt = torch.bincount(idx, minlength=E).float()
+        imbalance = float(cnt.max() / cnt.mean())
+
+    res["max_over_mean_tokens_per_expert"] = imbalance
     del x, w_router, w1, w3, w2, dout, params
     return res
 
