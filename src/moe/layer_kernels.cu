@@ -1,5 +1,5 @@
-// Memory-bound kernels of the GPU layer v1 (gather, SwiGLU, aggregation, dH/A'/dS, router
-// backward, dX). All deterministic: every output element is written by one thread, sums run in a
+// Memory-bound kernels of the GPU layer (aggregation, dS row sum, router backward, dX); the
+// gathers, SwiGLU and dH/A'/dS live in the engine's GEMM loads and epilogues (src/engine). All deterministic: every output element is written by one thread, sums run in a
 // fixed order, no atomics. 16-byte vector accesses (8 bf16); element offsets are 64-bit.
 //
 // Derivations (row r of expert e, token t = gather[r], score s = scores[scatter[r]]):
@@ -30,49 +30,12 @@ union Pack8 {
   uint4 u;
   __nv_bfloat162 h2[4];
 };
-union Pack4 {
-  uint2 u;
-  __nv_bfloat162 h2[2];
-};
 
-__device__ __forceinline__ float silu(float g) { return g / (1.f + __expf(-g)); }
 
 unsigned grid_for(int64_t n) {
   int64_t g = (n + kThreads - 1) / kThreads;
   if (g > 65536) g = 65536;  // grid-stride loops cover the rest
   return static_cast<unsigned>(g < 1 ? 1 : g);
-}
-
-__global__ void gather_rows_kernel(const bf16* __restrict__ src, int64_t vec_per_row,
-                                   const int32_t* __restrict__ idx, int64_t rows,
-                                   bf16* __restrict__ dst) {
-  const uint4* s = reinterpret_cast<const uint4*>(src);
-  uint4* o = reinterpret_cast<uint4*>(dst);
-  const int64_t total = rows * vec_per_row;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t r = i / vec_per_row, c = i - r * vec_per_row;
-    o[i] = __ldg(s + static_cast<int64_t>(idx[r]) * vec_per_row + c);
-  }
-}
-
-__global__ void swiglu_kernel(const bf16* __restrict__ H, bf16* __restrict__ A, int64_t units4) {
-  // Each thread: 4 units = 8 interleaved H values (16 bytes) -> 4 A values (8 bytes).
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < units4;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    Pack8 h;
-    h.u = __ldg(reinterpret_cast<const uint4*>(H) + i);
-    float a[4];
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      const float2 gu = __bfloat1622float2(h.h2[q]);
-      a[q] = silu(gu.x) * gu.y;
-    }
-    Pack4 o;
-    o.h2[0] = __floats2bfloat162_rn(a[0], a[1]);
-    o.h2[1] = __floats2bfloat162_rn(a[2], a[3]);
-    reinterpret_cast<uint2*>(A)[i] = o.u;
-  }
 }
 
 // O[t][c..c+8) = sum_k s[t,k] * Y[rev[t*K+k]][c..c+8), fp32 in k order.
@@ -102,54 +65,15 @@ __global__ void aggregate_kernel(const bf16* __restrict__ Y, const float* __rest
   }
 }
 
-// One warp per grouped row. dA' is read and A' = s*a written in place (same row, same lanes).
-__global__ void dh_kernel(const bf16* __restrict__ H, bf16* dA_inout, const float* __restrict__ scores,
-                          const int32_t* __restrict__ scatter, int64_t rows, int n,
-                          bf16* __restrict__ dH, float* __restrict__ dS) {
-  const int lane = threadIdx.x & 31;
-  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x >> 5);
-  for (int64_t r = blockIdx.x * static_cast<int64_t>(blockDim.x >> 5) + (threadIdx.x >> 5); r < rows;
-       r += warps) {
-    const int32_t entry = scatter[r];
-    const float s = scores[entry];
-    const uint4* hrow = reinterpret_cast<const uint4*>(H + r * 2 * n);
-    uint2* darow = reinterpret_cast<uint2*>(dA_inout + r * n);
-    uint4* dhrow = reinterpret_cast<uint4*>(dH + r * 2 * n);
-    float dot = 0.f;
-    for (int j4 = lane; j4 < n / 4; j4 += 32) {
-      Pack8 h;
-      h.u = hrow[j4];
-      Pack4 da;
-      da.u = darow[j4];
-      float dav[4];
-      {
-        const float2 p0 = __bfloat1622float2(da.h2[0]), p1 = __bfloat1622float2(da.h2[1]);
-        dav[0] = p0.x; dav[1] = p0.y; dav[2] = p1.x; dav[3] = p1.y;
-      }
-      Pack8 dh;
-      float ap[4];
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const float2 gu = __bfloat1622float2(h.h2[q]);
-        const float sig = 1.f / (1.f + __expf(-gu.x));
-        const float sl = gu.x * sig;
-        const float a = sl * gu.y;
-        dot += dav[q] * a;
-        const float dA = s * dav[q];
-        const float dg = dA * gu.y * (sig + sl * (1.f - sig));
-        const float du = dA * sl;
-        dh.h2[q] = __floats2bfloat162_rn(dg, du);
-        ap[q] = s * a;
-      }
-      dhrow[j4] = dh.u;
-      Pack4 o;
-      o.h2[0] = __floats2bfloat162_rn(ap[0], ap[1]);
-      o.h2[1] = __floats2bfloat162_rn(ap[2], ap[3]);
-      darow[j4] = o.u;
-    }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, off);
-    if (lane == 0) dS[entry] = dot;
+// dS[scatter[r]] = sum over j of ds_partial[r][j], j ascending (the dSwiGLU epilogue's per-tile
+// partial dot products): one thread per grouped row, fixed order, no atomics.
+__global__ void ds_rowsum_kernel(const float* __restrict__ partial, int tiles,
+                                 const int32_t* __restrict__ scatter, int64_t rows, float* __restrict__ dS) {
+  for (int64_t r = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; r < rows;
+       r += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    float acc = 0.f;
+    for (int j = 0; j < tiles; ++j) acc += partial[r * tiles + j];
+    dS[scatter[r]] = acc;
   }
 }
 
@@ -211,23 +135,6 @@ __global__ void f32_to_bf16_kernel(const float* __restrict__ in, bf16* __restric
 
 }  // namespace
 
-Status gather_rows(const bf16* src, int d, const int32_t* idx, int64_t rows, bf16* dst,
-                   cudaStream_t stream) {
-  if (rows == 0) return Status{};
-  const int64_t vpr = d / 8;
-  gather_rows_kernel<<<grid_for(rows * vpr), kThreads, 0, stream>>>(src, vpr, idx, rows, dst);
-  SMOE_CHECK_LAUNCH("gather_rows_kernel");
-  return Status{};
-}
-
-Status swiglu(const bf16* H, bf16* A, int64_t rows, int n, cudaStream_t stream) {
-  const int64_t units4 = rows * n / 4;
-  if (units4 == 0) return Status{};
-  swiglu_kernel<<<grid_for(units4), kThreads, 0, stream>>>(H, A, units4);
-  SMOE_CHECK_LAUNCH("swiglu_kernel");
-  return Status{};
-}
-
 Status aggregate(const bf16* Y, const float* scores, const int32_t* rev, int K, int d, int64_t T,
                  bf16* out, cudaStream_t stream) {
   const int64_t vpr = d / 8;
@@ -237,11 +144,11 @@ Status aggregate(const bf16* Y, const float* scores, const int32_t* rev, int K, 
   return Status{};
 }
 
-Status dh_ds(const bf16* H, bf16* dA_inout, const float* scores, const int32_t* scatter,
-             int64_t rows, int n, bf16* dH, float* dS, cudaStream_t stream) {
+Status ds_rowsum(const float* partial, int tiles, const int32_t* scatter, int64_t rows, float* dS,
+                 cudaStream_t stream) {
   if (rows == 0) return Status{};
-  dh_kernel<<<grid_for(rows * 32), kThreads, 0, stream>>>(H, dA_inout, scores, scatter, rows, n, dH, dS);
-  SMOE_CHECK_LAUNCH("dh_kernel");
+  ds_rowsum_kernel<<<grid_for(rows), kThreads, 0, stream>>>(partial, tiles, scatter, rows, dS);
+  SMOE_CHECK_LAUNCH("ds_rowsum_kernel");
   return Status{};
 }
 

@@ -1,4 +1,4 @@
-// Memory-bound kernels of the GPU layer v1 (see layer_kernels.cu for the derivations).
+// Memory-bound kernels of the GPU layer (see layer_kernels.cu for the derivations).
 #pragma once
 
 #include <cstdint>
@@ -10,16 +10,12 @@
 namespace smoe {
 namespace kernels {
 
-// dst[r] = src[idx[r]] for r < rows; rows of d bf16 (d % 8 == 0).
-Status gather_rows(const bf16* src, int d, const int32_t* idx, int64_t rows, bf16* dst, cudaStream_t stream);
-// A[r][j] = silu(H[r][2j]) * H[r][2j+1].
-Status swiglu(const bf16* H, bf16* A, int64_t rows, int n, cudaStream_t stream);
 // out[t] = sum_k scores[t*K+k] * Y[rev[t*K+k]] (fp32 accumulate, k order).
 Status aggregate(const bf16* Y, const float* scores, const int32_t* rev, int K, int d, int64_t T,
                  bf16* out, cudaStream_t stream);
-// From H and dA' (overwritten by A' = s*a): dH (interleaved like H) and dS[entry] = <dA', a>.
-Status dh_ds(const bf16* H, bf16* dA_inout, const float* scores, const int32_t* scatter,
-             int64_t rows, int n, bf16* dH, float* dS, cudaStream_t stream);
+// dS[scatter[r]] = sum_j partial[r][j] (j ascending), r < rows; partial is [rows][tiles].
+Status ds_rowsum(const float* partial, int tiles, const int32_t* scatter, int64_t rows, float* dS,
+                 cudaStream_t stream);
 // dl[t,k] = s_k (dS_k - sum_j s_j dS_j); dlogits_dense [T][E] bf16 (zeros + the K values).
 Status router_backward(const float* dS, const float* scores, const int32_t* topk, int K, int E,
                        int64_t T, float* dl, bf16* dlogits_dense, cudaStream_t stream);

@@ -1,0 +1,140 @@
+// Host side of the engine: argument rules, the tile heuristic, dispatch to the instantiations,
+// and the SMOE_ENGINE_PRINT switch.
+//
+// Tile heuristic (BM = 128, BK = 64 throughout; BN = 256 or 128):
+//   * BN = 256 halves the B (weight) reloads per A row and gives 64x256x16 wgmma, the fastest
+//     atom; it needs N % 256 == 0 (otherwise a quarter or more of the last column tile is padding)
+//     and enough tiles to fill the machine: with T*K rows there are about T*K/128 * N/256 tiles;
+//     below ~2 waves of the SM count, BN = 128 doubles the tile count and the balance wins.
+//   * dA' (dSwiGLU epilogue) uses BN = 128: its epilogue holds H, dH and A' values per element
+//     and 64x128 keeps it inside the register budget next to the accumulator.
+//   * varlen-K (dW): tiles are (E, M/128, N/BN) with a per-expert reduction; BN = 256 when
+//     N % 256 == 0 and E * M/128 * N/256 still gives >= 2 waves, else 128.
+#include <cstdio>
+#include <cstdlib>
+
+#include "common/check.h"
+#include "engine/engine.h"
+
+namespace smoe {
+namespace engine {
+
+namespace {
+
+bool print_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("SMOE_ENGINE_PRINT");
+    return v != nullptr && v[0] != '\0' && v[0] != '0';
+  }();
+  return on;
+}
+
+Status rule(const char* fn, const char* name, int64_t v, const char* what) {
+  return detail::make_status(StatusCode::kInvalidArgument, detail::concat(fn, ": ", name, " = ", v, " ", what));
+}
+
+Status check_extent(const char* fn, const char* name, int v) {
+  if (v <= 0 || v % 64 != 0) return rule(fn, name, v, "must be a positive multiple of 64");
+  return Status{};
+}
+
+constexpr int64_t kMaxRows = (int64_t{1} << 31) - 1;
+
+bool wide_tiles_fill(int64_t tiles_at_256, int sm_count) { return tiles_at_256 >= 2 * sm_count; }
+
+}  // namespace
+
+int ds_partial_tiles(int N) { return (N + 127) / 128; }
+
+Choice choose_varlen_m(const VarlenMArgs& a, int sm_count) {
+  if (a.epilogue == Epilogue::kDSwiGLU) return {128, "da_dswiglu<128>"};
+  const int64_t tiles256 = (a.rows / 128) * (a.N / 256);
+  const bool wide = a.N % 256 == 0 && wide_tiles_fill(tiles256, sm_count);
+  const int bn = wide ? 256 : 128;
+  if (a.epilogue == Epilogue::kSwiGLU) return {bn, wide ? "up_swiglu<256>" : "up_swiglu<128>"};
+  if (a.b_major == WeightMajor::kNK) return {bn, wide ? "down_store<256>" : "down_store<128>"};
+  return {bn, wide ? "dx_store<256>" : "dx_store<128>"};
+}
+
+Choice choose_varlen_k(const VarlenKArgs& a, int sm_count) {
+  const int64_t tiles256 = static_cast<int64_t>(a.num_experts) * ((a.M + 127) / 128) * (a.N / 256);
+  const bool wide = a.N % 256 == 0 && wide_tiles_fill(tiles256, sm_count);
+  return wide ? Choice{256, "dw<256>"} : Choice{128, "dw<128>"};
+}
+
+Status varlen_m(const VarlenMArgs& a, int sm_count, cudaStream_t stream) {
+  const char* fn = "engine::varlen_m";
+  if (a.num_experts < 1 || a.num_experts > kMaxExperts)
+    return rule(fn, "num_experts", a.num_experts, "must be in [1, 512]");
+  SMOE_RETURN_IF_ERROR(check_extent(fn, "N", a.N));
+  SMOE_RETURN_IF_ERROR(check_extent(fn, "K", a.K));
+  if (a.rows < 0 || a.rows > kMaxRows) return rule(fn, "rows", a.rows, "must be in [0, 2^31)");
+  if (a.a_rows < 0 || a.a_rows > kMaxRows) return rule(fn, "a_rows", a.a_rows, "must be in [0, 2^31)");
+  if (static_cast<int64_t>(a.num_experts) * (a.b_major == WeightMajor::kNK ? a.N : a.K) > kMaxRows)
+    return rule(fn, "num_experts * weight rows", int64_t{a.num_experts} * a.N, "must be < 2^31 (TMA coordinates)");
+  if (a.epilogue == Epilogue::kSwiGLU && a.N % 128 != 0)
+    return rule(fn, "N", a.N, "must be a multiple of 128 for the SwiGLU epilogue (2n, n % 64 == 0)");
+  if (a.rows == 0) return Status{};
+  if (a.gather_idx == nullptr && a.a_rows < a.rows)
+    return rule(fn, "a_rows", a.a_rows, "must be >= rows when A is not gathered");
+  if (a.gather_idx != nullptr && a.a_rows < 1) return rule(fn, "a_rows", a.a_rows, "must be >= 1 when A is gathered");
+  SMOE_RETURN_IF_ERROR(detail::check_ptr(a.expert_offset, fn, "expert_offset", 4));
+  SMOE_RETURN_IF_ERROR(detail::check_ptr(a.A, fn, "A", 16));
+  SMOE_RETURN_IF_ERROR(detail::check_ptr(a.B, fn, "B", 16));
+  if (a.gather_idx) SMOE_RETURN_IF_ERROR(detail::check_ptr(a.gather_idx, fn, "gather_idx", 4));
+  switch (a.epilogue) {
+    case Epilogue::kStore:
+      SMOE_RETURN_IF_ERROR(detail::check_ptr(a.D, fn, "D", 16));
+      break;
+    case Epilogue::kSwiGLU:
+      SMOE_RETURN_IF_ERROR(detail::check_ptr(a.D, fn, "D (H)", 16));
+      SMOE_RETURN_IF_ERROR(detail::check_ptr(a.D2, fn, "D2 (A)", 16));
+      break;
+    case Epilogue::kDSwiGLU:
+      SMOE_RETURN_IF_ERROR(detail::check_ptr(a.D2, fn, "D2 (A')", 16));
+      SMOE_RETURN_IF_ERROR(detail::check_ptr(a.H, fn, "H", 16));
+      SMOE_RETURN_IF_ERROR(detail::check_ptr(a.dH, fn, "dH", 16));
+      SMOE_RETURN_IF_ERROR(detail::check_ptr(a.scores, fn, "scores", 4));
+      SMOE_RETURN_IF_ERROR(detail::check_ptr(a.scatter, fn, "scatter", 4));
+      SMOE_RETURN_IF_ERROR(detail::check_ptr(a.ds_partial, fn, "ds_partial", 4));
+      break;
+  }
+  const Choice c = choose_varlen_m(a, sm_count);
+  if (print_enabled())
+    std::fprintf(stderr, "[smoe engine] varlen_m %s rows=%lld N=%d K=%d E=%d gather=%d grid<=%d\n", c.name,
+                 static_cast<long long>(a.rows), a.N, a.K, a.num_experts, a.gather_idx != nullptr, sm_count);
+  if (a.epilogue == Epilogue::kDSwiGLU) return inst::da_dswiglu<128>(a, sm_count, stream);
+  if (a.epilogue == Epilogue::kSwiGLU)
+    return c.bn == 256 ? inst::up_swiglu<256>(a, sm_count, stream) : inst::up_swiglu<128>(a, sm_count, stream);
+  if (a.gather_idx != nullptr)
+    return rule(fn, "gather_idx", 1, "(non-null) is only supported with the SwiGLU / dSwiGLU epilogues");
+  if (a.b_major == WeightMajor::kNK)
+    return c.bn == 256 ? inst::down_store<256>(a, sm_count, stream) : inst::down_store<128>(a, sm_count, stream);
+  return c.bn == 256 ? inst::dx_store<256>(a, sm_count, stream) : inst::dx_store<128>(a, sm_count, stream);
+}
+
+Status varlen_k(const VarlenKArgs& a, int sm_count, cudaStream_t stream) {
+  const char* fn = "engine::varlen_k";
+  if (a.num_experts < 1 || a.num_experts > kMaxExperts)
+    return rule(fn, "num_experts", a.num_experts, "must be in [1, 512]");
+  SMOE_RETURN_IF_ERROR(check_extent(fn, "M", a.M));
+  SMOE_RETURN_IF_ERROR(check_extent(fn, "N", a.N));
+  if (a.rows < 0 || a.rows > kMaxRows) return rule(fn, "rows", a.rows, "must be in [0, 2^31)");
+  if (a.ld_p < a.M || a.ld_p % 8 != 0) return rule(fn, "ld_p", a.ld_p, "must be >= M and a multiple of 8");
+  if (a.ld_q < a.N || a.ld_q % 8 != 0) return rule(fn, "ld_q", a.ld_q, "must be >= N and a multiple of 8");
+  SMOE_RETURN_IF_ERROR(detail::check_ptr(a.expert_offset, fn, "expert_offset", 4));
+  SMOE_RETURN_IF_ERROR(detail::check_ptr(a.P, fn, "P", 16));
+  SMOE_RETURN_IF_ERROR(detail::check_ptr(a.Q, fn, "Q", 16));
+  SMOE_RETURN_IF_ERROR(detail::check_ptr(a.D, fn, "D", 16));
+  if (a.gather_p) SMOE_RETURN_IF_ERROR(detail::check_ptr(a.gather_p, fn, "gather_p", 4));
+  if (a.gather_q) SMOE_RETURN_IF_ERROR(detail::check_ptr(a.gather_q, fn, "gather_q", 4));
+  const Choice c = choose_varlen_k(a, sm_count);
+  if (print_enabled())
+    std::fprintf(stderr, "[smoe engine] varlen_k %s rows=%lld M=%d N=%d E=%d gather=(%d,%d) grid<=%d\n", c.name,
+                 static_cast<long long>(a.rows), a.M, a.N, a.num_experts, a.gather_p != nullptr,
+                 a.gather_q != nullptr, sm_count);
+  return c.bn == 256 ? inst::dw<256>(a, sm_count, stream) : inst::dw<128>(a, sm_count, stream);
+}
+
+}  // namespace engine
+}  // namespace smoe

@@ -1,0 +1,95 @@
+// The fused MoE GEMM engine (sm_90a): our own warp-specialised, persistent grouped GEMMs with the
+// gather fused into the operand load and the SwiGLU / dSwiGLU + dS math fused into the epilogue.
+// Replaces v1's CUTLASS ptr-array GEMMs plus the separate gather, SwiGLU and dH kernels.
+//
+// All matrices row-major bf16, fp32 accumulate, element offsets 64-bit. Rows are grouped by expert:
+// expert e owns grouped rows [expert_offset[e], expert_offset[e+1]) (device array; no host sync).
+//
+// varlen-M   D[r][c] = sum_k A[src(r)][k] * B_e(c, k)      (r a row of expert e)
+//   src(r) = gather_idx[r] (gathered rows of A, by cp.async) or r (contiguous, by TMA);
+//   B_e stored K-major [E][N][K] (kNK, nn.Linear) or MN-major [E][K][N] (kKN).
+//   up-proj   A = x gathered,  B = W1 [E][2n][d] kNK, epilogue SwiGLU  -> H, A
+//   down-proj A = A,           B = W2 [E][d][n]  kNK, epilogue Store   -> Y
+//   dA'       A = dO gathered, B = W2 [E][d][n]  kKN, epilogue DSwiGLU -> dH, A', ds_partial
+//   dX~       A = dH,          B = W1 [E][2n][d] kKN, epilogue Store   -> dX~
+// varlen-K   D_e[m][c] = sum over rows r of e: P[srcP(r)][m] * Q[srcQ(r)][c]   (D: [E][M][N])
+//   dW2: P = dO gathered (M = d), Q = A' (N = n);  dW1: P = dH (M = 2n), Q = x gathered (N = d).
+//   An expert without rows gets D_e = 0.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+#include "smoe/smoe.h"
+
+namespace smoe {
+namespace engine {
+
+enum class Epilogue { kStore, kSwiGLU, kDSwiGLU };
+enum class WeightMajor { kNK, kKN };
+
+struct VarlenMArgs {
+  int num_experts = 0;
+  int N = 0;
+  int K = 0;
+  int64_t rows = 0;                      // grouped rows (T*K)
+  const int32_t* expert_offset = nullptr;
+  const bf16* A = nullptr;               // [a_rows][K]
+  int64_t a_rows = 0;
+  const int32_t* gather_idx = nullptr;   // [rows]; null: A is the grouped rows themselves
+  const bf16* B = nullptr;
+  WeightMajor b_major = WeightMajor::kNK;
+  Epilogue epilogue = Epilogue::kStore;
+  bf16* D = nullptr;            // kStore: [rows][N]; kSwiGLU: H [rows][N]
+  bf16* D2 = nullptr;           // kSwiGLU: A [rows][N/2]; kDSwiGLU: A' [rows][N]
+  const bf16* H = nullptr;      // kDSwiGLU: [rows][2N]
+  bf16* dH = nullptr;           // kDSwiGLU: [rows][2N]
+  const float* scores = nullptr;       // kDSwiGLU: by flat (token, k) index
+  const int32_t* scatter = nullptr;    // kDSwiGLU: grouped row -> flat index
+  float* ds_partial = nullptr;         // kDSwiGLU: [rows][ds_partial_tiles(N)]
+};
+
+struct VarlenKArgs {
+  int num_experts = 0;
+  int M = 0;
+  int N = 0;
+  int64_t rows = 0;
+  const int32_t* expert_offset = nullptr;
+  const bf16* P = nullptr;
+  int64_t ld_p = 0;
+  const int32_t* gather_p = nullptr;  // null: rows of P are the grouped rows
+  const bf16* Q = nullptr;
+  int64_t ld_q = 0;
+  const int32_t* gather_q = nullptr;
+  bf16* D = nullptr;                  // [E][M][N]
+};
+
+// Column tiles of the dSwiGLU GEMM (the second extent of ds_partial).
+int ds_partial_tiles(int N);
+
+// Checks the rules (extents multiples of 64, pointers 16-byte aligned, rows < 2^31) first; nothing
+// runs on a rejected call.
+Status varlen_m(const VarlenMArgs& a, int sm_count, cudaStream_t stream);
+Status varlen_k(const VarlenKArgs& a, int sm_count, cudaStream_t stream);
+
+// The tile chosen for a call (heuristic in engine.cu). SMOE_ENGINE_PRINT=1 prints it per call.
+struct Choice {
+  int bn;
+  const char* name;
+};
+Choice choose_varlen_m(const VarlenMArgs& a, int sm_count);
+Choice choose_varlen_k(const VarlenKArgs& a, int sm_count);
+
+namespace inst {
+// One kernel configuration per .cu (src/engine/inst_*.cu).
+template <int BN> Status up_swiglu(const VarlenMArgs& a, int sm_count, cudaStream_t s);
+template <int BN> Status down_store(const VarlenMArgs& a, int sm_count, cudaStream_t s);
+template <int BN> Status da_dswiglu(const VarlenMArgs& a, int sm_count, cudaStream_t s);
+template <int BN> Status dx_store(const VarlenMArgs& a, int sm_count, cudaStream_t s);
+template <int BN> Status dw(const VarlenKArgs& a, int sm_count, cudaStream_t s);
+}  // namespace inst
+
+}  // namespace engine
+}  // namespace smoe

@@ -1,0 +1,215 @@
+// The engine's two kernels, each a thin composition of a producer (mainloop load), the consumer
+// MMA loop, an epilogue and a tile scheduler; host Arguments become device Params in make_params.
+//   VarlenMKernel<Cfg, ALoad, Epi>: rows grouped by expert (up-proj, down-proj, dA', dX~)
+//   VarlenKKernel<Cfg>:            reduction over an expert's rows (dW1, dW2)
+// Both persistent (grid <= SM count), 384 threads: warpgroup 0 produces with few registers,
+// warpgroups 1-2 consume with many (setmaxnreg).
+#pragma once
+
+#include "cute/tensor.hpp"
+#include "cutlass/arch/barrier.h"
+#include "cutlass/arch/reg_reconfig.h"
+
+#include "common/check.h"
+#include "engine/consumer_mma.cuh"
+#include "engine/epilogue.cuh"
+#include "engine/producer_varlen_k.cuh"
+#include "engine/producer_varlen_m.cuh"
+#include "engine/tile_config.cuh"
+#include "engine/tile_scheduler.cuh"
+
+namespace smoe {
+namespace engine {
+
+template <class Traits>
+__global__ void __launch_bounds__(kThreads, 1) engine_kernel(const __grid_constant__ typename Traits::Params p) {
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  Traits::run(p, *reinterpret_cast<typename Traits::Storage*>(smem_raw));
+}
+
+// Common body: barrier set-up, role split, consumer loop over the scheduler's tiles.
+template <class Cfg, class Producer, class Consumer, class Epi, int kProducerRegs, int kConsumerRegs>
+struct KernelBody {
+  using Storage = SharedStorage<Cfg>;
+
+  __device__ static void init_barriers(Storage& s) {
+    if (threadIdx.x == 0) {
+      for (int i = 0; i < Cfg::kStages; ++i) {
+        cutlass::arch::ClusterTransactionBarrier::init(&s.full[i], Producer::kFullArrivals);
+        cutlass::arch::ClusterBarrier::init(&s.empty[i], Consumer::kEmptyArrivals);
+      }
+      cutlass::arch::fence_barrier_init();
+    }
+  }
+
+  // tile_ctx(WorkTile) -> (TileCtx, k_tiles)
+  template <class Params, class Sched, class CtxFn>
+  __device__ static void roles(const Params& p, Storage& s, const Sched& sched, CtxFn tile_ctx) {
+    // One if/else on a warp-uniform role (the shuffle tells ptxas it is uniform), one branch per
+    // role: what lets ptxas give each side its setmaxnreg budget.
+    const int warp_group = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / 128, 0);
+    if (warp_group == 0) {
+      cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
+      Producer::run(p, s, sched);
+    } else {
+      cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
+      consume(p, s, sched, tile_ctx);
+    }
+  }
+
+  template <class Params, class Sched, class CtxFn>
+  __device__ static void consume(const Params& p, Storage& s, const Sched& sched, CtxFn tile_ctx) {
+    const int ctid = threadIdx.x - kProducerThreads;
+    typename Cfg::TiledMma tiled_mma;
+    auto thr = tiled_mma.get_thread_slice(ctid);
+    Tensor sA = make_tensor(make_smem_ptr(s.A.data()), typename Cfg::SmemLayoutA{});
+    Tensor sB = make_tensor(make_smem_ptr(s.B.data()), typename Cfg::SmemLayoutB{});
+    Tensor tCrA = thr.make_fragment_A(thr.partition_A(sA));
+    Tensor tCrB = thr.make_fragment_B(thr.partition_B(sB));
+    Tensor accum = partition_fragment_C(tiled_mma, Shape<Int<Cfg::BM>, Int<Cfg::BN>>{});
+    Tensor cd = thr.partition_C(make_identity_tensor(Shape<Int<Cfg::BM>, Int<Cfg::BN>>{}));
+    PipeState ps;
+    const int total = sched.total_tiles();
+    for (int t = blockIdx.x; t < total; t += gridDim.x) {
+      int k_tiles = 0;
+      const TileCtx ctx = tile_ctx(sched.get(t), k_tiles);
+      Consumer::run(tiled_mma, tCrA, tCrB, accum, k_tiles, ps, s);
+      Epi::apply(p.epi, accum, cd, ctx);
+    }
+  }
+};
+
+// ---- varlen-M --------------------------------------------------------------------------------
+template <class Cfg, ALoad kALoad, class Epi>
+struct VarlenMKernel {
+  static constexpr bool kGather = kALoad == ALoad::kGather;
+  using Producer = ProducerVarlenM<Cfg, kALoad>;
+  using Consumer = ConsumerMma<Cfg, kGather>;
+  using Body = KernelBody<Cfg, Producer, Consumer, Epi, kGather ? 64 : 40, kGather ? 224 : 232>;
+  using Storage = typename Body::Storage;
+
+  using GmemK = Layout<Shape<int, int>, Stride<int64_t, _1>>;   // (rows, K), K contiguous
+  using GmemMN = Layout<Shape<int, int>, Stride<_1, int64_t>>;  // (N, rows), N contiguous
+  using GmemB = std::conditional_t<Cfg::kMajorB == GMMA::Major::K, GmemK, GmemMN>;
+  template <class GL, class SL>
+  static auto tma_for(const Bf16* ptr, GL gl, SL sl) {
+    return make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(ptr), gl), sl(_, _, Int<0>{}));
+  }
+  using TmaA = decltype(tma_for(nullptr, GmemK{}, typename Cfg::SmemLayoutA{}));
+  using TmaB = decltype(tma_for(nullptr, GmemB{}, typename Cfg::SmemLayoutB{}));
+
+  struct Params {
+    int E, N, K;
+    int a_rows;           // rows of the A tensor map (TMA A) or of the gather source
+    int b_rows, b_cols;   // extents of the B tensor map: K-major (E*N, K), MN-major (N, E*K)
+    int n_tiles;
+    const int32_t* expert_offset;
+    const Bf16* a_gather;
+    const int32_t* gather_idx;
+    TmaA tma_a;
+    TmaB tma_b;
+    typename Epi::Params epi;
+  };
+
+  // A: [a_rows][K] (gathered through gather_idx, or the grouped rows themselves);
+  // B: K-major [E][N][K] or MN-major [E][K][N].
+  static Params make_params(int E, int N, int K, const bf16* A, int a_rows, const int32_t* gather,
+                            const bf16* B, const int32_t* offset, const typename Epi::Params& epi) {
+    Params p;
+    p.E = E;
+    p.N = N;
+    p.K = K;
+    p.a_rows = a_rows;
+    p.n_tiles = (N + Cfg::BN - 1) / Cfg::BN;
+    p.expert_offset = offset;
+    p.a_gather = reinterpret_cast<const Bf16*>(A);
+    p.gather_idx = gather;
+    p.tma_a = tma_for(reinterpret_cast<const Bf16*>(A),
+                      make_layout(make_shape(a_rows, K), make_stride(int64_t{K}, _1{})),
+                      typename Cfg::SmemLayoutA{});
+    if constexpr (Cfg::kMajorB == GMMA::Major::K) {
+      p.b_rows = E * N;
+      p.b_cols = K;
+      p.tma_b = tma_for(reinterpret_cast<const Bf16*>(B),
+                        make_layout(make_shape(p.b_rows, p.b_cols), make_stride(int64_t{K}, _1{})),
+                        typename Cfg::SmemLayoutB{});
+    } else {
+      p.b_rows = N;
+      p.b_cols = E * K;
+      p.tma_b = tma_for(reinterpret_cast<const Bf16*>(B),
+                        make_layout(make_shape(p.b_rows, p.b_cols), make_stride(_1{}, int64_t{N})),
+                        typename Cfg::SmemLayoutB{});
+    }
+    p.epi = epi;
+    return p;
+  }
+
+  __device__ static void run(const Params& p, Storage& s) {
+    Body::init_barriers(s);
+    if (threadIdx.x == 0) {
+      cute::prefetch_tma_descriptor(p.tma_b.get_tma_descriptor());
+      if constexpr (!kGather) cute::prefetch_tma_descriptor(p.tma_a.get_tma_descriptor());
+    }
+    VarlenMScheduler<Cfg::BM>::build(p.expert_offset, p.E, s.tile_start);
+    __syncthreads();
+    const VarlenMScheduler<Cfg::BM> sched{p.expert_offset, s.tile_start, p.E, p.n_tiles};
+    const int k_tiles = p.K / Cfg::BK;
+    Body::roles(p, s, sched, [&](const WorkTile& w, int& kt) {
+      kt = k_tiles;
+      const int col0 = w.n_tile * Cfg::BN;
+      return TileCtx{w.row0, w.rows, col0, p.N - col0, w.n_tile, false};
+    });
+  }
+};
+
+// ---- varlen-K --------------------------------------------------------------------------------
+template <class Cfg>
+struct VarlenKKernel {
+  using Producer = ProducerVarlenK<Cfg>;
+  using Consumer = ConsumerMma<Cfg, true>;
+  using Epi = EpiStore;
+  using Body = KernelBody<Cfg, Producer, Consumer, Epi, 96, 208>;
+  using Storage = typename Body::Storage;
+
+  struct Params {
+    int E, M, N;
+    int m_tiles, n_tiles;
+    const int32_t* expert_offset;
+    const Bf16* P;
+    int64_t ld_p;
+    const int32_t* gather_p;
+    const Bf16* Q;
+    int64_t ld_q;
+    const int32_t* gather_q;
+    Epi::Params epi;
+  };
+
+  __device__ static void run(const Params& p, Storage& s) {
+    Body::init_barriers(s);
+    __syncthreads();
+    const VarlenKScheduler sched{p.expert_offset, p.E, p.m_tiles, p.n_tiles};
+    Body::roles(p, s, sched, [&](const WorkTile& w, int& kt) {
+      kt = (w.rows + Cfg::BK - 1) / Cfg::BK;
+      const int m0 = w.m_tile * Cfg::BM, col0 = w.n_tile * Cfg::BN;
+      const int rows = p.M - m0 < Cfg::BM ? p.M - m0 : Cfg::BM;
+      return TileCtx{static_cast<int64_t>(w.expert) * p.M + m0, rows, col0, p.N - col0, w.n_tile,
+                     kt == 0};
+    });
+  }
+};
+
+// ---- launch ------------------------------------------------------------------------------------
+template <class Traits>
+Status launch(const typename Traits::Params& p, int grid, cudaStream_t stream, const char* name) {
+  constexpr int smem = static_cast<int>(sizeof(typename Traits::Storage));
+  static_assert(smem <= kSmemLimit, "shared storage exceeds the sm_90 limit");
+  static const cudaError_t attr = cudaFuncSetAttribute(
+      engine_kernel<Traits>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  SMOE_RETURN_IF_ERROR(::smoe::detail::cuda_status(attr, name));
+  if (grid <= 0) return Status{};
+  engine_kernel<Traits><<<grid, kThreads, smem, stream>>>(p);
+  return ::smoe::detail::cuda_status(cudaGetLastError(), name);
+}
+
+}  // namespace engine
+}  // namespace smoe

@@ -1,0 +1,83 @@
+// Tile configuration of the engine's kernels: tile shape, pipeline depth, operand majors, the
+// shared-memory layouts (128-byte swizzle, what TMA writes and wgmma reads) and the tiled MMA.
+//
+// Every kernel is 384 threads, one CTA per SM: warpgroup 0 produces (TMA and/or cp.async),
+// warpgroups 1 and 2 consume cooperatively (each owns 64 of the 128 rows of the tile, all BN
+// columns), so the accumulator is 64 x BN fp32 per warpgroup = BN/2 registers per thread.
+#pragma once
+
+#include <cstdint>
+
+#include "cute/tensor.hpp"
+#include "cute/atom/mma_atom.hpp"
+#include "cute/atom/copy_atom.hpp"
+#include "cutlass/bfloat16.h"
+
+#include "smoe/smoe.h"
+
+namespace smoe {
+namespace engine {
+
+using namespace cute;
+using Bf16 = cutlass::bfloat16_t;
+
+constexpr int kThreads = 384;
+constexpr int kProducerThreads = 128;
+constexpr int kConsumerThreads = 256;
+constexpr int kConsumerWarps = kConsumerThreads / 32;
+constexpr int kSmemLimit = 227 * 1024;  // sm_90 opt-in dynamic shared memory per block
+
+template <GMMA::Major kMajor, int Rows, int BK, int Stages>
+struct SmemOperand {
+  // K-major: rows of BK contiguous elements (128 B = one swizzle row). MN-major: 64 contiguous
+  // M/N elements per k; atoms tiled along K first, as the wgmma descriptor expects.
+  using Atom = std::conditional_t<kMajor == GMMA::Major::K, GMMA::Layout_K_SW128_Atom<Bf16>,
+                                  GMMA::Layout_MN_SW128_Atom<Bf16>>;
+  using Order = std::conditional_t<kMajor == GMMA::Major::K, Step<_1, _2, _3>, Step<_2, _1, _3>>;
+  using Layout = decltype(tile_to_shape(Atom{}, make_shape(Int<Rows>{}, Int<BK>{}, Int<Stages>{}),
+                                        Order{}));
+};
+
+template <int BN_, int Stages_, GMMA::Major MajorA_, GMMA::Major MajorB_>
+struct TileConfig {
+  static constexpr int BM = 128;
+  static constexpr int BN = BN_;
+  static constexpr int BK = 64;
+  static constexpr int kStages = Stages_;
+  static constexpr GMMA::Major kMajorA = MajorA_;
+  static constexpr GMMA::Major kMajorB = MajorB_;
+  static constexpr int kBytesA = BM * BK * 2;  // one stage of A
+  static constexpr int kBytesB = BN * BK * 2;
+  static_assert(BN % 64 == 0 && BN <= 256, "BN: a multiple of 64 up to 256 (one wgmma N)");
+
+  using SmemLayoutA = typename SmemOperand<kMajorA, BM, BK, kStages>::Layout;
+  using SmemLayoutB = typename SmemOperand<kMajorB, BN, BK, kStages>::Layout;
+  using TiledMma = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Bf16, Bf16, float, Shape<_64, Int<BN>, Int<BK>>, kMajorA, kMajorB>(),
+      Layout<Shape<_2, _1, _1>>{}));
+};
+
+template <class Cfg>
+struct SharedStorage {
+  alignas(1024) cute::array_aligned<Bf16, cute::cosize_v<typename Cfg::SmemLayoutA>> A;
+  alignas(1024) cute::array_aligned<Bf16, cute::cosize_v<typename Cfg::SmemLayoutB>> B;
+  alignas(8) uint64_t full[Cfg::kStages];   // producer -> consumers: stage loaded
+  alignas(8) uint64_t empty[Cfg::kStages];  // consumers -> producer: stage free
+  int tile_start[kMaxExperts + 1];          // varlen-M scheduler prefix
+};
+
+// The pipeline position both sides advance through, across tiles.
+struct PipeState {
+  int stage = 0;
+  uint32_t phase = 0;
+  template <int Stages>
+  __device__ void advance() {
+    if (++stage == Stages) {
+      stage = 0;
+      phase ^= 1u;
+    }
+  }
+};
+
+}  // namespace engine
+}  // namespace smoe

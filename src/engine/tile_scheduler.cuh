@@ -1,0 +1,96 @@
+// Persistent static tile schedulers over (expert, tile), computed on the device from expert_offset
+// (no host sync). Every role of a CTA (producer and consumers) walks the same sequence
+// tile = blockIdx.x + i * gridDim.x and decodes it on its own: no communication is needed.
+#pragma once
+
+#include <cstdint>
+
+namespace smoe {
+namespace engine {
+
+struct WorkTile {
+  int expert;
+  int m_tile;   // varlen-M: M-tile inside the expert; varlen-K: M-tile of the weight gradient
+  int n_tile;
+  int row0;     // varlen-M: first grouped row of the tile; varlen-K: first grouped row of expert
+  int rows;     // varlen-M: valid rows of the tile (<= BM); varlen-K: rows (tokens) of the expert
+};
+
+// varlen-M: expert e owns ceil(m_e / BM) M-tiles; tiles run expert-major, M-tiles next and the
+// N-tiles innermost, so CTAs of one wave share the A rows of one M-tile and an expert's weight
+// tiles stay in L2 across its M-tiles. tile_start (shared memory, E+1 entries) is the exclusive
+// prefix of the M-tile counts, built once per CTA by warp 0 (E <= 512: 16 warp scans).
+template <int BM>
+struct VarlenMScheduler {
+  const int32_t* offset;    // [E+1] global
+  const int* tile_start;    // [E+1] shared
+  int num_experts;
+  int n_tiles;
+
+  __device__ static void build(const int32_t* __restrict__ offset, int E, int* tile_start) {
+    if (threadIdx.x >= 32) return;
+    const int lane = threadIdx.x;
+    int carry = 0;
+    for (int base = 0; base < E; base += 32) {
+      const int e = base + lane;
+      int v = 0;
+      if (e < E) v = (offset[e + 1] - offset[e] + BM - 1) / BM;
+      int incl = v;
+#pragma unroll
+      for (int d = 1; d < 32; d <<= 1) {
+        const int y = __shfl_up_sync(0xffffffffu, incl, d);
+        if (lane >= d) incl += y;
+      }
+      if (e < E) tile_start[e] = carry + incl - v;
+      carry += __shfl_sync(0xffffffffu, incl, 31);
+    }
+    if (lane == 0) tile_start[E] = carry;
+  }
+
+  __device__ int total_tiles() const { return tile_start[num_experts] * n_tiles; }
+
+  __device__ WorkTile get(int t) const {
+    const int m_lin = t / n_tiles;
+    WorkTile w;
+    w.n_tile = t - m_lin * n_tiles;
+    // Largest e with tile_start[e] <= m_lin: empty experts before it share its start.
+    int lo = 0, hi = num_experts - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) >> 1;
+      if (tile_start[mid] <= m_lin) lo = mid; else hi = mid - 1;
+    }
+    w.expert = lo;
+    w.m_tile = m_lin - tile_start[lo];
+    const int begin = offset[lo], end = offset[lo + 1];
+    w.row0 = begin + w.m_tile * BM;
+    const int left = end - w.row0;
+    w.rows = left < BM ? left : BM;
+    return w;
+  }
+};
+
+// varlen-K (weight gradients): a fixed grid of (expert, m_tile, n_tile), experts outermost; each
+// tile's reduction length is its expert's row count (0 for an empty expert: it stores zeros).
+struct VarlenKScheduler {
+  const int32_t* offset;
+  int num_experts;
+  int m_tiles;
+  int n_tiles;
+
+  __device__ int total_tiles() const { return num_experts * m_tiles * n_tiles; }
+
+  __device__ WorkTile get(int t) const {
+    const int per_expert = m_tiles * n_tiles;
+    WorkTile w;
+    w.expert = t / per_expert;
+    const int r = t - w.expert * per_expert;
+    w.m_tile = r / n_tiles;
+    w.n_tile = r - w.m_tile * n_tiles;
+    w.row0 = offset[w.expert];
+    w.rows = offset[w.expert + 1] - w.row0;
+    return w;
+  }
+};
+
+}  // namespace engine
+}  // namespace smoe

@@ -1,0 +1,133 @@
+// The MoE layer's backward on the fused engine (SonicMoE's rewrite: no Y, no dY; no gathered
+// copies of x or dO: both are gathered inside the GEMMs' operand loads):
+//   dA' = dO[gather] W2_e            engine varlen-M, dSwiGLU + dS epilogue: dH, A' = s*A and
+//                                    per-column-tile partial dS (deterministic)
+//   dS[t,k] = sum of the partials    fixed order
+//   dW2_e = dO[gather]_e^T A'_e      engine varlen-K (dO gathered)
+//   router: dl, dense bf16 dlogits; dW_r = dlogits^T x (cuBLAS, fp32 out -> bf16)
+//   dW1_e = dH_e^T x[gather]_e       engine varlen-K (x gathered)
+//   dX~ = dH W1_e                    engine varlen-M, dH by TMA
+//   dx[t] = sum_k dX~[row(t,k)] + dl[t,k] W_r[e_k]
+#include "engine/engine.h"
+#include "moe/cublas_handles.h"
+#include "moe/layer_common.h"
+#include "moe/layer_kernels.h"
+#include "moe/memory_plan.h"
+#include "moe/profile.h"
+#include "smoe/smoe.h"
+
+namespace smoe {
+
+Status moe_backward(const MoEBackwardArgs& a, cudaStream_t stream) {
+  const char* fn = "moe_backward";
+  const MoEShape& s = a.shape;
+  SMOE_RETURN_IF_ERROR(moe_can_implement(s));
+  SMOE_RETURN_IF_ERROR(detail::check_ptr(a.x, fn, "x", 16));
+  SMOE_RETURN_IF_ERROR(detail::check_ptr(a.weights.w_router, fn, "weights.w_router", 16));
+  SMOE_RETURN_IF_ERROR(detail::check_ptr(a.weights.w1, fn, "weights.w1", 16));
+  SMOE_RETURN_IF_ERROR(detail::check_ptr(a.weights.w2, fn, "weights.w2", 16));
+  SMOE_RETURN_IF_ERROR(detail::check_ptr(a.dout, fn, "dout", 16));
+  SMOE_RETURN_IF_ERROR(detail::check_ptr(a.dx, fn, "dx", 16));
+  SMOE_RETURN_IF_ERROR(detail::check_ptr(a.dw_router, fn, "dw_router", 16));
+  SMOE_RETURN_IF_ERROR(detail::check_ptr(a.dw1, fn, "dw1", 16));
+  SMOE_RETURN_IF_ERROR(detail::check_ptr(a.dw2, fn, "dw2", 16));
+  SMOE_RETURN_IF_ERROR(layer::check_buffer(a.saved, a.saved_bytes, moe_saved_state_size(s), fn, "saved",
+                                           "saved_bytes", "moe_saved_state_size"));
+  const plan::BackwardWs w = plan::backward_ws(s, a.workspace);
+  SMOE_RETURN_IF_ERROR(layer::check_buffer(a.workspace, a.workspace_bytes, w.total, fn, "workspace",
+                                           "workspace_bytes", "moe_backward_workspace_size"));
+  int sms = 0;
+  SMOE_RETURN_IF_ERROR(layer::sm_count(&sms));
+  const MoESavedView sv = moe_saved_state_view(s, const_cast<void*>(a.saved));
+  const int64_t tk = s.T * s.K;
+  profile::mark("begin", stream);
+
+  engine::VarlenMArgs da;
+  da.num_experts = s.E;
+  da.N = s.n;
+  da.K = s.d;
+  da.rows = tk;
+  da.expert_offset = sv.expert_offset;
+  da.A = a.dout;
+  da.a_rows = s.T;
+  da.gather_idx = sv.gather_idx;
+  da.B = a.weights.w2;  // [E][d][n] = [E][K][N]
+  da.b_major = engine::WeightMajor::kKN;
+  da.epilogue = engine::Epilogue::kDSwiGLU;
+  da.D2 = w.a_prime;
+  da.H = sv.h;
+  da.dH = w.dH;
+  da.scores = sv.scores;
+  da.scatter = sv.scatter_idx;
+  da.ds_partial = w.ds_partial;
+  SMOE_RETURN_IF_ERROR(engine::varlen_m(da, sms, stream));
+  SMOE_RETURN_IF_ERROR(kernels::ds_rowsum(w.ds_partial, engine::ds_partial_tiles(s.n), sv.scatter_idx, tk,
+                                          w.dS, stream));
+  profile::mark("dA_proj", stream);
+
+  engine::VarlenKArgs dw2;
+  dw2.num_experts = s.E;
+  dw2.M = s.d;
+  dw2.N = s.n;
+  dw2.rows = tk;
+  dw2.expert_offset = sv.expert_offset;
+  dw2.P = a.dout;
+  dw2.ld_p = s.d;
+  dw2.gather_p = sv.gather_idx;
+  dw2.Q = w.a_prime;
+  dw2.ld_q = s.n;
+  dw2.D = a.dw2;
+  SMOE_RETURN_IF_ERROR(engine::varlen_k(dw2, sms, stream));
+  profile::mark("dW2", stream);
+
+  SMOE_RETURN_IF_ERROR(kernels::router_backward(w.dS, sv.scores, sv.topk_expert, s.K, s.E, s.T, w.dl,
+                                                w.dlogits, stream));
+  // dW_r [E][d] = dlogits^T x: column-major C (d x E) = (x as d x T) * (dlogits as E x T)^T.
+  cublasHandle_t h;
+  SMOE_RETURN_IF_ERROR(blas::prepare(stream, w.cublas, &h));
+  const float one = 1.f, zero = 0.f;
+  SMOE_RETURN_IF_ERROR(blas::check(
+      cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_T, s.d, s.E, static_cast<int>(s.T), &one, a.x, CUDA_R_16BF,
+                   s.d, w.dlogits, CUDA_R_16BF, s.E, &zero, w.dwr32, CUDA_R_32F, s.d,
+                   CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+      "moe_backward: router weight gradient GEMM"));
+  SMOE_RETURN_IF_ERROR(kernels::f32_to_bf16(w.dwr32, a.dw_router, static_cast<int64_t>(s.E) * s.d, stream));
+  profile::mark("router_bwd", stream);
+
+  engine::VarlenKArgs dw1;
+  dw1.num_experts = s.E;
+  dw1.M = 2 * s.n;
+  dw1.N = s.d;
+  dw1.rows = tk;
+  dw1.expert_offset = sv.expert_offset;
+  dw1.P = w.dH;
+  dw1.ld_p = 2 * s.n;
+  dw1.Q = a.x;
+  dw1.ld_q = s.d;
+  dw1.gather_q = sv.gather_idx;
+  dw1.D = a.dw1;
+  SMOE_RETURN_IF_ERROR(engine::varlen_k(dw1, sms, stream));
+  profile::mark("dW1", stream);
+
+  engine::VarlenMArgs dxt;
+  dxt.num_experts = s.E;
+  dxt.N = s.d;
+  dxt.K = 2 * s.n;
+  dxt.rows = tk;
+  dxt.expert_offset = sv.expert_offset;
+  dxt.A = w.dH;
+  dxt.a_rows = tk;
+  dxt.B = a.weights.w1;  // [E][2n][d] = [E][K][N]
+  dxt.b_major = engine::WeightMajor::kKN;
+  dxt.epilogue = engine::Epilogue::kStore;
+  dxt.D = w.dXt;
+  SMOE_RETURN_IF_ERROR(engine::varlen_m(dxt, sms, stream));
+  profile::mark("dX_proj", stream);
+
+  SMOE_RETURN_IF_ERROR(kernels::dx_sum(w.dXt, sv.reverse_scatter_idx, w.dl, sv.topk_expert,
+                                       a.weights.w_router, s.K, s.d, s.T, a.dx, stream));
+  profile::mark("dx_sum", stream);
+  return Status{};
+}
+
+}  // namespace smoe

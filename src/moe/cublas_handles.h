@@ -1,0 +1,18 @@
+// The cuBLAS handles of the router GEMMs: one per host thread and device, created on first use
+// (the library's one hidden allocation), bound to the call's stream and to a workspace region
+// carved from the caller's workspace.
+#pragma once
+
+#include <cublas_v2.h>
+#include <cuda_runtime_api.h>
+
+#include "smoe/smoe.h"
+
+namespace smoe {
+namespace blas {
+
+Status prepare(cudaStream_t stream, void* workspace, cublasHandle_t* h);
+Status check(cublasStatus_t s, const char* what);
+
+}  // namespace blas
+}  // namespace smoe

@@ -1,0 +1,45 @@
+// The layer's shape rules and size queries (memory_plan.h has the layouts), and the profile hook.
+#include "common/check.h"
+#include "moe/memory_plan.h"
+#include "moe/profile.h"
+#include "smoe/smoe.h"
+
+namespace smoe {
+
+namespace profile {
+namespace {
+Recorder* g_recorder = nullptr;
+}
+void set_recorder(Recorder* r) { g_recorder = r; }
+Recorder* recorder() { return g_recorder; }
+}  // namespace profile
+
+Status moe_can_implement(const MoEShape& s) {
+  using detail::concat;
+  using detail::make_status;
+  const char* fn = "moe";
+  RoutingProblem rp{s.T, s.E, s.K, DType::kFloat32};
+  SMOE_RETURN_IF_ERROR(routing_can_implement(rp));
+  // 64: the GEMM K-tile and 16-byte rows for TMA; SwiGLU pairs need n even anyway.
+  if (s.d <= 0 || s.d % 64 != 0)
+    return make_status(StatusCode::kInvalidArgument, concat(fn, ": d = ", s.d, " must be a positive multiple of 64"));
+  if (s.n <= 0 || s.n % 64 != 0)
+    return make_status(StatusCode::kInvalidArgument, concat(fn, ": n = ", s.n, " must be a positive multiple of 64"));
+  return Status{};
+}
+
+size_t moe_saved_state_size(const MoEShape& s) {
+  if (!moe_can_implement(s).ok()) return 0;  // forward/backward report the broken rule
+  return plan::saved_layout(s, nullptr).bytes;
+}
+MoESavedView moe_saved_state_view(const MoEShape& s, void* saved) { return plan::saved_layout(s, saved).v; }
+size_t moe_forward_workspace_size(const MoEShape& s) {
+  if (!moe_can_implement(s).ok()) return 0;
+  return plan::forward_ws(s, nullptr).total;
+}
+size_t moe_backward_workspace_size(const MoEShape& s) {
+  if (!moe_can_implement(s).ok()) return 0;
+  return plan::backward_ws(s, nullptr).total;
+}
+
+}  // namespace smoe

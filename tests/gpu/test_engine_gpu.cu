@@ -1,0 +1,383 @@
+// The engine's kernels (src/engine) against their reference twins (engine_ref_gpu.h) at fresh
+// random inputs: every epilogue (store, SwiGLU, dSwiGLU + dS), both weight majors, gathered and
+// contiguous A, varlen-K with either operand gathered; empty experts, one hot expert, counts not
+// multiples of the 128-row tile, column extents that leave a partial column tile, E = 512, and
+// rows = 0. Every output is poisoned (bf16 / fp32 NaN) before the call, followed by a guard region
+// that must stay poisoned (no write past the end); every call runs twice and must be bitwise
+// identical.
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include <cuda_bf16.h>
+#include <gtest/gtest.h>
+
+#include "engine/engine.h"
+#include "gpu/engine_ref_gpu.h"
+#include "gpu/gpu_util.h"
+#include "test_seed.h"
+
+using smoe_test::DeviceBuffer;
+using bf16 = __nv_bfloat16;
+namespace eng = smoe::engine;
+
+namespace {
+
+constexpr double kTol = 1e-2;   // relative L2 against the fp32 twin (bf16 outputs)
+constexpr size_t kGuard = 4096; // poisoned elements after every output
+
+int sms() {
+  int dev = 0, n = 0;
+  cudaGetDevice(&dev);
+  cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
+  return n;
+}
+
+double rel_l2(const std::vector<double>& got, const std::vector<double>& ref) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    num += (got[i] - ref[i]) * (got[i] - ref[i]);
+    den += ref[i] * ref[i];
+  }
+  return std::sqrt(num / (den > 0 ? den : 1.0));  // NaN (unwritten) never passes
+}
+
+template <typename T>
+std::vector<double> to_double(const std::vector<T>& v, size_t n) {
+  std::vector<double> r(n);
+  for (size_t i = 0; i < n; ++i) {
+    if constexpr (std::is_same_v<T, bf16>) r[i] = __bfloat162float(v[i]);
+    else r[i] = v[i];
+  }
+  return r;
+}
+
+// An output buffer of n elements plus a poisoned guard.
+template <typename T>
+struct Out {
+  DeviceBuffer<T> buf;
+  size_t n;
+  explicit Out(size_t count) : buf(count + kGuard), n(count) { EXPECT_EQ(buf.poison(), cudaSuccess); }
+  T* get() { return buf.get(); }
+  std::vector<T> all() const { return buf.download(); }
+  void expect_guard(const std::vector<T>& h, const char* name) const {
+    for (size_t i = n; i < n + kGuard; ++i) {
+      uint8_t bytes[sizeof(T)];
+      std::memcpy(bytes, &h[i], sizeof(T));
+      for (uint8_t b : bytes)
+        if (b != 0xFF) {
+          ADD_FAILURE() << name << ": guard element " << i - n << " past the end was written";
+          return;
+        }
+    }
+  }
+};
+
+struct Groups {
+  std::vector<int32_t> off;
+  int64_t rows = 0;
+  DeviceBuffer<int32_t> d_off;
+  explicit Groups(const std::vector<int>& counts) : off(counts.size() + 1, 0) {
+    for (size_t e = 0; e < counts.size(); ++e) off[e + 1] = off[e] + counts[e];
+    rows = off.back();
+    d_off.reset(off.size());
+    EXPECT_EQ(d_off.upload(off), cudaSuccess);
+  }
+  int E() const { return static_cast<int>(off.size()) - 1; }
+};
+
+std::vector<bf16> random_bf16(size_t n, double sd, std::mt19937_64& g) {
+  std::normal_distribution<double> nd(0.0, sd);
+  std::vector<bf16> v(n);
+  for (auto& x : v) x = __float2bfloat16(static_cast<float>(nd(g)));
+  return v;
+}
+
+template <typename T>
+DeviceBuffer<T>* upload(const std::vector<T>& h) {
+  auto* b = new DeviceBuffer<T>(h.size());
+  EXPECT_EQ(b->upload(h), cudaSuccess);
+  return b;
+}
+
+std::vector<int> random_counts(int E, int64_t rows, std::mt19937_64& g, double empty_frac) {
+  std::vector<double> w(E);
+  std::uniform_real_distribution<double> u(0.2, 1.0), pick(0.0, 1.0);
+  for (auto& x : w) x = pick(g) < empty_frac ? 0.0 : u(g);
+  const double sum = std::accumulate(w.begin(), w.end(), 0.0);
+  std::vector<int> c(E);
+  int64_t used = 0;
+  for (int e = 0; e < E; ++e) used += (c[e] = sum > 0 ? static_cast<int>(rows * w[e] / sum) : 0);
+  for (int e = 0; used < rows; e = (e + 1) % E)
+    if (w[e] > 0 || sum == 0) { ++c[e]; ++used; }
+  return c;
+}
+
+float silu(float g) { return g / (1.f + std::exp(-g)); }
+
+// ---- varlen-M ------------------------------------------------------------------------------
+struct MCase {
+  std::vector<int> counts;
+  int N, K;
+  eng::WeightMajor major;
+  eng::Epilogue epi;
+  bool gather;
+  int expect_bn = 0;  // 0: whatever the heuristic picks
+};
+
+void run_m(const MCase& c) {
+  smoe_test::Rng rng;
+  SCOPED_TRACE(testing::Message() << "seed " << rng.seed << " N " << c.N << " K " << c.K << " epi "
+                                  << static_cast<int>(c.epi) << " major " << static_cast<int>(c.major)
+                                  << " gather " << c.gather);
+  auto& g = rng.gen;
+  Groups gr(c.counts);
+  const int E = gr.E();
+  const int64_t rows = gr.rows;
+  const int64_t a_rows = c.gather ? std::max<int64_t>(1, rows / 3 + 7) : rows;
+  std::unique_ptr<DeviceBuffer<bf16>> A(upload(random_bf16(std::max<int64_t>(a_rows, 1) * c.K, 1.0, g)));
+  std::unique_ptr<DeviceBuffer<bf16>> B(upload(random_bf16(static_cast<size_t>(E) * c.N * c.K, 1.0 / std::sqrt(c.K), g)));
+  std::vector<int32_t> gidx(rows), scatter(rows);
+  std::uniform_int_distribution<int64_t> pick(0, a_rows - 1);
+  for (auto& x : gidx) x = static_cast<int32_t>(pick(g));
+  std::iota(scatter.begin(), scatter.end(), 0);
+  std::shuffle(scatter.begin(), scatter.end(), g);
+  std::vector<float> scores(rows);
+  std::uniform_real_distribution<float> us(0.05f, 1.f);
+  for (auto& s : scores) s = us(g);
+  std::unique_ptr<DeviceBuffer<int32_t>> d_g(upload(gidx.empty() ? std::vector<int32_t>{0} : gidx));
+  std::unique_ptr<DeviceBuffer<int32_t>> d_sc(upload(scatter.empty() ? std::vector<int32_t>{0} : scatter));
+  std::unique_ptr<DeviceBuffer<float>> d_s(upload(scores.empty() ? std::vector<float>{0.f} : scores));
+  const int n = c.N;  // dSwiGLU: N is n, H/dH have 2n columns
+  std::vector<bf16> Hin = random_bf16(static_cast<size_t>(rows) * 2 * n + 8, 1.5, g);
+  std::unique_ptr<DeviceBuffer<bf16>> d_H(upload(Hin));
+
+  const int tiles = eng::ds_partial_tiles(c.N);
+  Out<bf16> D(static_cast<size_t>(rows) * c.N), D2(static_cast<size_t>(rows) * c.N), dH(static_cast<size_t>(rows) * 2 * c.N);
+  Out<float> dsp(static_cast<size_t>(rows) * tiles);
+
+  eng::VarlenMArgs a;
+  a.num_experts = E;
+  a.N = c.N;
+  a.K = c.K;
+  a.rows = rows;
+  a.expert_offset = gr.d_off.get();
+  a.A = A->get();
+  a.a_rows = a_rows;
+  a.gather_idx = c.gather ? d_g->get() : nullptr;
+  a.B = B->get();
+  a.b_major = c.major;
+  a.epilogue = c.epi;
+  a.D = D.get();
+  a.D2 = D2.get();
+  a.H = d_H->get();
+  a.dH = dH.get();
+  a.scores = d_s->get();
+  a.scatter = d_sc->get();
+  a.ds_partial = dsp.get();
+  if (c.expect_bn) EXPECT_EQ(eng::choose_varlen_m(a, sms()).bn, c.expect_bn);
+
+  smoe::Status st = eng::varlen_m(a, sms(), 0);
+  ASSERT_TRUE(st.ok()) << st.message;
+  CUDA_OK(cudaDeviceSynchronize());
+  auto hD = D.all(), hD2 = D2.all(), hdH = dH.all();
+  auto hds = dsp.all();
+  // Bitwise determinism: a second run over the same outputs.
+  ASSERT_TRUE(eng::varlen_m(a, sms(), 0).ok());
+  CUDA_OK(cudaDeviceSynchronize());
+  if (c.epi != eng::Epilogue::kDSwiGLU) EXPECT_EQ(0, std::memcmp(hD.data(), D.all().data(), D.n * 2)) << "D not deterministic";
+  if (c.epi != eng::Epilogue::kStore) EXPECT_EQ(0, std::memcmp(hD2.data(), D2.all().data(), D2.n * 2)) << "D2 not deterministic";
+  if (c.epi == eng::Epilogue::kDSwiGLU) {
+    EXPECT_EQ(0, std::memcmp(hdH.data(), dH.all().data(), dH.n * 2)) << "dH not deterministic";
+    EXPECT_EQ(0, std::memcmp(hds.data(), dsp.all().data(), dsp.n * 4)) << "dS not deterministic";
+  }
+  if (rows == 0) {
+    D.expect_guard(hD, "D");  // nothing at all may be written: the guard starts at element 0
+    return;
+  }
+
+  DeviceBuffer<float> ref(static_cast<size_t>(rows) * c.N);
+  smoe_test::varlen_m_ref(a, ref.get(), 0);
+  CUDA_OK(cudaDeviceSynchronize());
+  const std::vector<float> R = ref.download();
+
+  if (c.epi == eng::Epilogue::kStore) {
+    EXPECT_LT(rel_l2(to_double(hD, D.n), to_double(R, R.size())), kTol);
+    D.expect_guard(hD, "D");
+  } else if (c.epi == eng::Epilogue::kSwiGLU) {
+    EXPECT_LT(rel_l2(to_double(hD, D.n), to_double(R, R.size())), kTol) << "H";
+    const size_t na = static_cast<size_t>(rows) * c.N / 2;
+    std::vector<double> want(na);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int j = 0; j < c.N / 2; ++j) {
+        const float gg = R[r * c.N + 2 * j], uu = R[r * c.N + 2 * j + 1];
+        want[r * (c.N / 2) + j] = silu(gg) * uu;
+      }
+    EXPECT_LT(rel_l2(to_double(hD2, na), want), kTol) << "A";
+    D.expect_guard(hD, "H");
+    for (size_t i = na; i < D2.n + kGuard; ++i)
+      if (reinterpret_cast<const uint16_t&>(hD2[i]) != 0xFFFF) {
+        ADD_FAILURE() << "A written past its end at " << i - na;
+        break;
+      }
+  } else {
+    std::vector<double> w_dh(dH.n), w_ap(D2.n), w_ds(rows), got_ds(rows);
+    for (int64_t r = 0; r < rows; ++r) {
+      const double s = scores[scatter[r]];
+      double ds = 0;
+      for (int j = 0; j < n; ++j) {
+        const double gg = __bfloat162float(Hin[r * 2 * n + 2 * j]), uu = __bfloat162float(Hin[r * 2 * n + 2 * j + 1]);
+        const double sig = 1 / (1 + std::exp(-gg)), sl = gg * sig, av = sl * uu;
+        const double dap = R[r * n + j];
+        ds += dap * av;
+        w_dh[r * 2 * n + 2 * j] = s * dap * uu * (sig + sl * (1 - sig));
+        w_dh[r * 2 * n + 2 * j + 1] = s * dap * sl;
+        w_ap[r * n + j] = s * av;
+      }
+      w_ds[scatter[r]] = ds;
+      double sum = 0;
+      for (int t = 0; t < tiles; ++t) sum += hds[r * tiles + t];
+      got_ds[scatter[r]] = sum;
+    }
+    EXPECT_LT(rel_l2(to_double(hdH, dH.n), w_dh), kTol) << "dH";
+    EXPECT_LT(rel_l2(to_double(hD2, D2.n), w_ap), kTol) << "A'";
+    EXPECT_LT(rel_l2(got_ds, w_ds), 1e-3) << "dS (fp32 from the fp32 accumulator)";
+    dH.expect_guard(hdH, "dH");
+    D2.expect_guard(hD2, "A'");
+    dsp.expect_guard(hds, "ds_partial");
+  }
+}
+
+// ---- varlen-K ------------------------------------------------------------------------------
+struct KCase {
+  std::vector<int> counts;
+  int M, N;
+  bool gather_p, gather_q;
+  int expect_bn = 0;
+};
+
+void run_k(const KCase& c) {
+  smoe_test::Rng rng;
+  SCOPED_TRACE(testing::Message() << "seed " << rng.seed << " M " << c.M << " N " << c.N << " gather "
+                                  << c.gather_p << c.gather_q);
+  auto& g = rng.gen;
+  Groups gr(c.counts);
+  const int E = gr.E();
+  const int64_t rows = gr.rows;
+  const int64_t src_rows = std::max<int64_t>(1, rows / 2 + 5);
+  const int64_t ld_p = c.M + 64, ld_q = c.N;  // a padded P row: ld > M is allowed
+  const int64_t p_rows = c.gather_p ? src_rows : std::max<int64_t>(rows, 1);
+  const int64_t q_rows = c.gather_q ? src_rows : std::max<int64_t>(rows, 1);
+  std::unique_ptr<DeviceBuffer<bf16>> P(upload(random_bf16(p_rows * ld_p, 1.0, g)));
+  std::unique_ptr<DeviceBuffer<bf16>> Q(upload(random_bf16(q_rows * ld_q, 1.0, g)));
+  std::vector<int32_t> gp(std::max<int64_t>(rows, 1)), gq(std::max<int64_t>(rows, 1));
+  std::uniform_int_distribution<int64_t> pick(0, src_rows - 1);
+  for (auto& x : gp) x = static_cast<int32_t>(pick(g));
+  for (auto& x : gq) x = static_cast<int32_t>(pick(g));
+  std::unique_ptr<DeviceBuffer<int32_t>> d_gp(upload(gp)), d_gq(upload(gq));
+  Out<bf16> D(static_cast<size_t>(E) * c.M * c.N);
+
+  eng::VarlenKArgs a;
+  a.num_experts = E;
+  a.M = c.M;
+  a.N = c.N;
+  a.rows = rows;
+  a.expert_offset = gr.d_off.get();
+  a.P = P->get();
+  a.ld_p = ld_p;
+  a.gather_p = c.gather_p ? d_gp->get() : nullptr;
+  a.Q = Q->get();
+  a.ld_q = ld_q;
+  a.gather_q = c.gather_q ? d_gq->get() : nullptr;
+  a.D = D.get();
+  if (c.expect_bn) EXPECT_EQ(eng::choose_varlen_k(a, sms()).bn, c.expect_bn);
+  smoe::Status st = eng::varlen_k(a, sms(), 0);
+  ASSERT_TRUE(st.ok()) << st.message;
+  CUDA_OK(cudaDeviceSynchronize());
+  auto hD = D.all();
+  ASSERT_TRUE(eng::varlen_k(a, sms(), 0).ok());
+  CUDA_OK(cudaDeviceSynchronize());
+  EXPECT_EQ(0, std::memcmp(hD.data(), D.all().data(), D.n * 2)) << "dW not deterministic";
+
+  DeviceBuffer<float> ref(D.n);
+  smoe_test::varlen_k_ref(a, ref.get(), 0);
+  CUDA_OK(cudaDeviceSynchronize());
+  const std::vector<float> R = ref.download();
+  EXPECT_LT(rel_l2(to_double(hD, D.n), to_double(R, R.size())), kTol);
+  for (int e = 0; e < E; ++e)
+    if (gr.off[e + 1] == gr.off[e])
+      for (size_t i = static_cast<size_t>(e) * c.M * c.N; i < static_cast<size_t>(e + 1) * c.M * c.N; ++i)
+        if (reinterpret_cast<const uint16_t&>(hD[i]) != 0) {
+          ADD_FAILURE() << "empty expert " << e << " has a non-zero gradient element";
+          break;
+        }
+  D.expect_guard(hD, "dW");
+}
+
+const std::vector<int> kEdgeCounts = {0, 1, 127, 128, 129, 300, 0, 555, 64, 0};
+
+}  // namespace
+
+TEST(GpuEngine, StoreWeightsNK) {
+  run_m({kEdgeCounts, 192, 128, eng::WeightMajor::kNK, eng::Epilogue::kStore, false});
+  run_m({kEdgeCounts, 64, 64, eng::WeightMajor::kNK, eng::Epilogue::kStore, false});
+}
+TEST(GpuEngine, StoreWeightsKN) {
+  run_m({kEdgeCounts, 320, 192, eng::WeightMajor::kKN, eng::Epilogue::kStore, false});
+}
+TEST(GpuEngine, SwiGLUGathered) {
+  run_m({kEdgeCounts, 256, 192, eng::WeightMajor::kNK, eng::Epilogue::kSwiGLU, true});
+  run_m({kEdgeCounts, 128, 64, eng::WeightMajor::kNK, eng::Epilogue::kSwiGLU, true});
+}
+TEST(GpuEngine, DSwiGLUGathered) {
+  run_m({kEdgeCounts, 192, 256, eng::WeightMajor::kKN, eng::Epilogue::kDSwiGLU, true});
+  run_m({kEdgeCounts, 64, 64, eng::WeightMajor::kKN, eng::Epilogue::kDSwiGLU, true});
+}
+TEST(GpuEngine, OneHotExpertAndK1) {
+  // One expert takes every row; a single expert (E = 1, like K = 1 with one expert).
+  run_m({{0, 0, 3000, 0}, 256, 128, eng::WeightMajor::kNK, eng::Epilogue::kSwiGLU, true});
+  run_m({{777}, 128, 128, eng::WeightMajor::kKN, eng::Epilogue::kDSwiGLU, true});
+  run_k({{0, 0, 3000, 0}, 128, 256, true, false});
+}
+TEST(GpuEngine, WideTilesLargeShapes) {
+  std::mt19937_64 g(smoe_test::fresh_seed());
+  const auto counts = random_counts(16, 20000, g, 0.1);
+  run_m({counts, 512, 256, eng::WeightMajor::kNK, eng::Epilogue::kStore, false, 256});
+  run_m({counts, 512, 128, eng::WeightMajor::kKN, eng::Epilogue::kStore, false, 256});
+  run_m({counts, 1024, 128, eng::WeightMajor::kNK, eng::Epilogue::kSwiGLU, true, 256});
+  run_k({random_counts(66, 8000, g, 0.1), 512, 512, false, true, 256});
+}
+TEST(GpuEngine, VarlenK) {
+  run_k({kEdgeCounts, 192, 320, true, false});
+  run_k({kEdgeCounts, 256, 128, false, true});
+  run_k({kEdgeCounts, 64, 64, false, false});
+}
+TEST(GpuEngine, ManyExpertsMostlyEmpty) {
+  std::mt19937_64 g(smoe_test::fresh_seed());
+  const auto counts = random_counts(512, 5000, g, 0.6);
+  run_m({counts, 256, 128, eng::WeightMajor::kNK, eng::Epilogue::kSwiGLU, true});
+  run_m({counts, 128, 128, eng::WeightMajor::kKN, eng::Epilogue::kDSwiGLU, true});
+  run_k({counts, 128, 128, true, false});
+}
+TEST(GpuEngine, ZeroRows) {
+  run_m({{0, 0, 0}, 128, 64, eng::WeightMajor::kNK, eng::Epilogue::kStore, false});
+  run_k({{0, 0, 0}, 128, 64, false, false});  // every expert empty: all-zero gradients
+}
+TEST(GpuEngine, BadArgumentsRejected) {
+  eng::VarlenMArgs a;
+  a.num_experts = 4;
+  a.N = 100;  // not a multiple of 64
+  a.K = 64;
+  smoe::Status s = eng::varlen_m(a, sms(), 0);
+  EXPECT_FALSE(s.ok());
+  EXPECT_NE(s.message.find("N = 100"), std::string::npos) << s.message;
+  eng::VarlenKArgs k;
+  k.num_experts = 600;
+  k.M = 64;
+  k.N = 64;
+  s = eng::varlen_k(k, sms(), 0);
+  EXPECT_FALSE(s.ok());
+  EXPECT_NE(s.message.find("num_experts"), std::string::npos) << s.message;
+}
