@@ -31,7 +31,7 @@ run_step() {  # name, command...
   local name=$1; shift
   case " $STEPS " in *" $name "*) ;; *) return 0;; esac
   local t=$(date +%s)
-  "$@" >"$OUT/$name.log" 2>&1
+  timeout "${STEP_TIMEOUT:-300}" "$@" >"$OUT/$name.log" 2>&1
   local rc=$?
   result[$name]="rc=$rc $(( $(date +%s) - t ))s"
   return $rc
