@@ -31,6 +31,10 @@ __global__ void __launch_bounds__(kThreads, 1) engine_kernel(const __grid_consta
 template <class Cfg, class Producer, class Consumer, class Epi, int kProducerRegs, int kConsumerRegs>
 struct KernelBody {
   using Storage = SharedStorage<Cfg>;
+  // setmaxnreg moves registers inside the CTA's launch allocation (168 per thread x 384, the
+  // __launch_bounds__(384, 1) cap): asking for more than that total blocks the increase forever.
+  static_assert(kProducerRegs * kProducerThreads + kConsumerRegs * kConsumerThreads <= 168 * kThreads,
+                "register split exceeds the CTA's allocation");
 
   __device__ static void init_barriers(Storage& s) {
     if (threadIdx.x == 0) {
@@ -85,7 +89,7 @@ struct VarlenMKernel {
   static constexpr bool kGather = kALoad == ALoad::kGather;
   using Producer = ProducerVarlenM<Cfg, kALoad>;
   using Consumer = ConsumerMma<Cfg, kGather>;
-  using Body = KernelBody<Cfg, Producer, Consumer, Epi, kGather ? 64 : 40, kGather ? 224 : 232>;
+  using Body = KernelBody<Cfg, Producer, Consumer, Epi, kGather ? 56 : 40, kGather ? 224 : 232>;
   using Storage = typename Body::Storage;
 
   using GmemK = Layout<Shape<int, int>, Stride<int64_t, _1>>;   // (rows, K), K contiguous
@@ -168,7 +172,7 @@ struct VarlenKKernel {
   using Producer = ProducerVarlenK<Cfg>;
   using Consumer = ConsumerMma<Cfg, true>;
   using Epi = EpiStore;
-  using Body = KernelBody<Cfg, Producer, Consumer, Epi, 96, 208>;
+  using Body = KernelBody<Cfg, Producer, Consumer, Epi, 88, 208>;
   using Storage = typename Body::Storage;
 
   struct Params {
