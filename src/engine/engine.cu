@@ -42,6 +42,15 @@ constexpr int64_t kMaxRows = (int64_t{1} << 31) - 1;
 
 bool wide_tiles_fill(int64_t tiles_at_256, int sm_count) { return tiles_at_256 >= 2 * sm_count; }
 
+// SMOE_ENGINE_BN_M / SMOE_ENGINE_BN_K = 128 or 256 force the column tile of the varlen-M /
+// varlen-K GEMMs (where the shape allows it): for tuning sweeps; unset, the heuristic decides.
+int forced_bn(const char* var) {
+  const char* v = std::getenv(var);
+  if (v == nullptr) return 0;
+  const int bn = std::atoi(v);
+  return bn == 128 || bn == 256 ? bn : 0;
+}
+
 }  // namespace
 
 int ds_partial_tiles(int N) { return (N + 127) / 128; }
@@ -49,7 +58,8 @@ int ds_partial_tiles(int N) { return (N + 127) / 128; }
 Choice choose_varlen_m(const VarlenMArgs& a, int sm_count) {
   if (a.epilogue == Epilogue::kDSwiGLU) return {128, "da_dswiglu<128>"};
   const int64_t tiles256 = (a.rows / 128) * (a.N / 256);
-  const bool wide = a.N % 256 == 0 && wide_tiles_fill(tiles256, sm_count);
+  const int forced = forced_bn("SMOE_ENGINE_BN_M");
+  const bool wide = a.N % 256 == 0 && (forced ? forced == 256 : wide_tiles_fill(tiles256, sm_count));
   const int bn = wide ? 256 : 128;
   if (a.epilogue == Epilogue::kSwiGLU) return {bn, wide ? "up_swiglu<256>" : "up_swiglu<128>"};
   if (a.b_major == WeightMajor::kNK) return {bn, wide ? "down_store<256>" : "down_store<128>"};
@@ -58,7 +68,8 @@ Choice choose_varlen_m(const VarlenMArgs& a, int sm_count) {
 
 Choice choose_varlen_k(const VarlenKArgs& a, int sm_count) {
   const int64_t tiles256 = static_cast<int64_t>(a.num_experts) * ((a.M + 127) / 128) * (a.N / 256);
-  const bool wide = a.N % 256 == 0 && wide_tiles_fill(tiles256, sm_count);
+  const int forced = forced_bn("SMOE_ENGINE_BN_K");
+  const bool wide = a.N % 256 == 0 && (forced ? forced == 256 : wide_tiles_fill(tiles256, sm_count));
   return wide ? Choice{256, "dw<256>"} : Choice{128, "dw<128>"};
 }
 
