@@ -53,11 +53,23 @@ constexpr int acc_col_groups() {
   return decltype(size(Accum{}))::value / 4;
 }
 
+// Epilogues without per-row inputs prefetch nothing.
+struct NoPrefetch {};
+
 struct EpiStore {
   struct Params {
     bf16* D;
     int64_t ld;
   };
+  template <class Accum, class Coords>
+  __device__ static NoPrefetch prefetch(const Params&, const Accum&, const Coords&, const TileCtx&) {
+    return {};
+  }
+  template <class Accum, class Coords>
+  __device__ static void apply(const Params& p, const Accum& acc, const Coords& cd, const TileCtx& t,
+                               NoPrefetch) {
+    apply(p, acc, cd, t);
+  }
   template <class Accum, class Coords>
   __device__ static void apply(const Params& p, const Accum& acc, const Coords& cd, const TileCtx& t) {
     const AccPos pos(cd);
@@ -81,6 +93,15 @@ struct EpiSwiGLU {
     bf16* A;     // [rows][N/2]
     int64_t ld;  // N
   };
+  template <class Accum, class Coords>
+  __device__ static NoPrefetch prefetch(const Params&, const Accum&, const Coords&, const TileCtx&) {
+    return {};
+  }
+  template <class Accum, class Coords>
+  __device__ static void apply(const Params& p, const Accum& acc, const Coords& cd, const TileCtx& t,
+                               NoPrefetch) {
+    apply(p, acc, cd, t);
+  }
   template <class Accum, class Coords>
   __device__ static void apply(const Params& p, const Accum& acc, const Coords& cd, const TileCtx& t) {
     const AccPos pos(cd);
@@ -113,17 +134,45 @@ struct EpiDSwiGLU {
     int64_t ld;             // N
     int n_tiles;
   };
+
+  // H values and scores of this thread's two rows, loaded before the tile's mainloop so their
+  // latency hides under the MMA (the epilogue would otherwise wait on each load in turn).
+  template <int kGroups>
+  struct Prefetch {
+    uint2 h[2][kGroups];  // (g, u) of columns 8 j + n0, + 1: 8 bytes
+    float s[2];
+  };
+
   template <class Accum, class Coords>
-  __device__ static void apply(const Params& p, const Accum& acc, const Coords& cd, const TileCtx& t) {
+  __device__ static auto prefetch(const Params& p, const Accum&, const Coords& cd, const TileCtx& t) {
+    constexpr int G = acc_col_groups<Accum>();
+    Prefetch<G> f;
+    const AccPos pos(cd);
+    CUTE_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      f.s[h] = 0.f;
+      if (!pos.row_ok(t, h)) continue;
+      const int64_t r = t.row0 + pos.m0 + 8 * h;
+      f.s[h] = __ldg(p.scores + __ldg(p.scatter + r));
+      const uint2* hrow = reinterpret_cast<const uint2*>(p.H + r * 2 * p.ld + 2 * (t.col0 + pos.n0));
+      CUTE_UNROLL
+      for (int j = 0; j < G; ++j)
+        if (AccPos::col_ok(t, j)) f.h[h][j] = __ldg(hrow + 4 * j);
+    }
+    return f;
+  }
+
+  template <class Accum, class Coords, class Pre>
+  __device__ static void apply(const Params& p, const Accum& acc, const Coords& cd, const TileCtx& t,
+                               const Pre& f) {
     const AccPos pos(cd);
     CUTE_UNROLL
     for (int h = 0; h < 2; ++h) {
       float ds = 0.f;
       if (pos.row_ok(t, h)) {
         const int64_t r = t.row0 + pos.m0 + 8 * h;
-        const float s = p.scores[p.scatter[r]];
+        const float s = f.s[h];
         const int64_t j0 = t.col0 + pos.n0;
-        const bf16* hrow = p.H + r * 2 * p.ld + 2 * j0;
         bf16* dhrow = p.dH + r * 2 * p.ld + 2 * j0;
         bf16* aprow = p.A_prime + r * p.ld + j0;
         CUTE_UNROLL
@@ -133,7 +182,7 @@ struct EpiDSwiGLU {
             uint2 u;
             __nv_bfloat162 h2[2];
           } hv, dh;
-          hv.u = *reinterpret_cast<const uint2*>(hrow + 16 * j);
+          hv.u = f.h[h][j];
           float ap[2];
           CUTE_UNROLL
           for (int q = 0; q < 2; ++q) {

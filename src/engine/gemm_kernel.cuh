@@ -77,8 +77,9 @@ struct KernelBody {
     for (int t = blockIdx.x; t < total; t += gridDim.x) {
       int k_tiles = 0;
       const TileCtx ctx = tile_ctx(sched.get(t), k_tiles);
+      const auto pre = Epi::prefetch(p.epi, accum, cd, ctx);  // per-row epilogue inputs, early
       Consumer::run(tiled_mma, tCrA, tCrB, accum, k_tiles, ps, s);
-      Epi::apply(p.epi, accum, cd, ctx);
+      Epi::apply(p.epi, accum, cd, ctx, pre);
     }
   }
 };

@@ -18,44 +18,60 @@
 namespace smoe {
 namespace engine {
 
-// One operand: a tile of BX columns (m or n) by BK rows per stage.
+// One operand: a tile of BX columns (m or n) by BK rows per stage. Thread t copies chunk t % (BX/8)
+// of rows t / (BX/8) + R i (R = 128 / (BX/8) rows per pass). Addresses are computed once per
+// K-tile, when the row indices arrive (fetch_rows), so issuing a copy is an add and the cp.async:
+// the copy loop is the producer's critical path (with the 64-bit row * ld products and constant
+// reloads inside it, v0 of this loader issued a copy only every ~15 instructions and starved the
+// tensor cores). Shared addresses: rows 8 apart are one swizzle atom (BK-direction) apart, so a
+// thread needs only the addresses of its first (8 / R) passes.
 template <int BX, int BK, class SmemLayout>
 struct MNMajorRowLoader {
   static constexpr int kChunksPerRow = BX / 8;                       // 16-byte chunks
   static constexpr int kRowsPerPass = kProducerThreads / kChunksPerRow;
   static constexpr int kPasses = BK / kRowsPerPass;
+  static constexpr int kPhases = kRowsPerPass < 8 ? 8 / kRowsPerPass : 1;
+  static constexpr int kAtomsPerStep = kRowsPerPass < 8 ? 1 : kRowsPerPass / 8;
   static_assert(kChunksPerRow <= kProducerThreads && BK % kRowsPerPass == 0, "tile too wide");
+  static_assert(8 % kRowsPerPass == 0 || kRowsPerPass % 8 == 0, "rows per pass vs swizzle period");
 
   int chunk;                  // this thread's chunk column
   int row_in_tile0;           // its first row inside the K-tile
-  uint32_t saddr[kPasses];    // stage-0 shared addresses
-  int src_row[kPasses];       // source rows of the K-tile being issued (-1: zero fill)
+  uint32_t saddr0[kPhases];   // stage-0 shared addresses of passes 0 .. kPhases-1
+  uint32_t atom_bytes;        // shared-memory distance of rows 8 apart
+  const Bf16* src[kPasses];   // global source of each pass (nullptr: zero fill)
 
   template <class STensor>
   __device__ void init(const STensor& s, int tid) {
     chunk = tid % kChunksPerRow;
     row_in_tile0 = tid / kChunksPerRow;
 #pragma unroll
-    for (int i = 0; i < kPasses; ++i)
-      saddr[i] = smem_u32(&s(chunk * 8, row_in_tile0 + i * kRowsPerPass, 0));
+    for (int i = 0; i < kPhases; ++i)
+      saddr0[i] = smem_u32(&s(chunk * 8, row_in_tile0 + i * kRowsPerPass, 0));
+    atom_bytes = smem_u32(&s(chunk * 8, row_in_tile0 + 8, 0)) - smem_u32(&s(chunk * 8, row_in_tile0, 0));
   }
 
-  // Source rows of K-tile k of an expert whose rows are [row0, row0 + rows).
-  __device__ void fetch_rows(const int32_t* gather, int row0, int rows, int k) {
+  // Sources of K-tile k for an expert whose rows are [row0, row0 + rows); columns col0 + chunk.
+  __device__ void fetch_rows(const Bf16* base, int64_t ld, const int32_t* gather, int row0, int rows,
+                             int k, int col0, int cols) {
+    const int c = col0 + chunk * 8;
+    const bool col_ok = c < cols;
 #pragma unroll
     for (int i = 0; i < kPasses; ++i) {
       const int r = k * BK + row_in_tile0 + i * kRowsPerPass;
-      src_row[i] = r < rows ? (gather ? __ldg(gather + row0 + r) : row0 + r) : -1;
+      src[i] = nullptr;
+      if (r < rows && col_ok) {
+        const int64_t row = gather ? __ldg(gather + row0 + r) : row0 + r;
+        src[i] = base + row * ld + c;
+      }
     }
   }
 
-  __device__ void issue(const Bf16* base, int64_t ld, int col0, int cols, uint32_t stage_off) const {
-    const int c = col0 + chunk * 8;
+  __device__ void issue(const Bf16* any_valid, uint32_t stage_off) const {
 #pragma unroll
     for (int i = 0; i < kPasses; ++i) {
-      const bool ok = src_row[i] >= 0 && c < cols;
-      const Bf16* g = ok ? base + static_cast<int64_t>(src_row[i]) * ld + c : base;
-      cp_async_16_zfill(saddr[i] + stage_off, g, ok);
+      const uint32_t sa = saddr0[i % kPhases] + (i / kPhases) * kAtomsPerStep * atom_bytes + stage_off;
+      cp_async_16_zfill(sa, src[i] ? src[i] : any_valid, src[i] != nullptr);
     }
   }
 };
@@ -81,18 +97,19 @@ struct ProducerVarlenK {
     for (int t = blockIdx.x; t < total; t += gridDim.x) {
       const WorkTile w = sched.get(t);
       const int k_tiles = (w.rows + BK - 1) / BK;
+      const int m0 = w.m_tile * BM, n0 = w.n_tile * BN;
       if (k_tiles > 0) {
-        la.fetch_rows(p.gather_p, w.row0, w.rows, 0);
-        lb.fetch_rows(p.gather_q, w.row0, w.rows, 0);
+        la.fetch_rows(p.P, p.ld_p, p.gather_p, w.row0, w.rows, 0, m0, p.M);
+        lb.fetch_rows(p.Q, p.ld_q, p.gather_q, w.row0, w.rows, 0, n0, p.N);
       }
       for (int k = 0; k < k_tiles; ++k) {
         cutlass::arch::ClusterBarrier::wait(&s.empty[ps.stage], ps.phase ^ 1u);
-        la.issue(p.P, p.ld_p, w.m_tile * BM, p.M, ps.stage * Cfg::kBytesA);
-        lb.issue(p.Q, p.ld_q, w.n_tile * BN, p.N, ps.stage * Cfg::kBytesB);
+        la.issue(p.P, ps.stage * Cfg::kBytesA);
+        lb.issue(p.Q, ps.stage * Cfg::kBytesB);
         cp_async_arrive_noinc(&s.full[ps.stage]);
         if (k + 1 < k_tiles) {
-          la.fetch_rows(p.gather_p, w.row0, w.rows, k + 1);
-          lb.fetch_rows(p.gather_q, w.row0, w.rows, k + 1);
+          la.fetch_rows(p.P, p.ld_p, p.gather_p, w.row0, w.rows, k + 1, m0, p.M);
+          lb.fetch_rows(p.Q, p.ld_q, p.gather_q, w.row0, w.rows, k + 1, n0, p.N);
         }
         ps.template advance<kStages>();
       }
