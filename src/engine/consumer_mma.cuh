@@ -15,9 +15,11 @@ struct ConsumerMma {
   static constexpr uint32_t kEmptyArrivals = kConsumerWarps;
 
   // accum = sum over k_tiles >= 1 K-tiles.
-  template <class TiledMma, class FragA, class FragB, class Accum, class Storage>
+  // Tail: called (all consumer threads) on the last K-tile when tail_valid > 0, before the MMA
+  // reads it (varlen-K: zero the rows past the expert's end).
+  template <class Tail, class TiledMma, class FragA, class FragB, class Accum, class Storage>
   __device__ static void run(TiledMma& tiled_mma, const FragA& tCrA, const FragB& tCrB, Accum& accum,
-                             int k_tiles, PipeState& ps, Storage& s) {
+                             int k_tiles, int tail_valid, PipeState& ps, Storage& s) {
     const bool lane0 = (threadIdx.x % 32) == 0;
     // k_tiles == 0 (an empty expert's weight gradient): accum is left as it is and the epilogue
     // stores zeros (TileCtx::zero). Clearing it here would give the accumulator two definitions
@@ -27,6 +29,8 @@ struct ConsumerMma {
     int release_stage = ps.stage;
     for (int k = 0; k < k_tiles; ++k) {
       cutlass::arch::ClusterBarrier::wait(&s.full[ps.stage], ps.phase);
+      if (tail_valid > 0 && k == k_tiles - 1)
+        Tail::apply(s, ps.stage, tail_valid, static_cast<int>(threadIdx.x) - kProducerThreads);
       if constexpr (kFenceProxy) fence_generic_to_async_smem();
       warpgroup_fence_operand(accum);
       warpgroup_arrive();

@@ -70,7 +70,8 @@ Choice choose_varlen_k(const VarlenKArgs& a, int sm_count) {
   const int64_t tiles256 = static_cast<int64_t>(a.num_experts) * ((a.M + 127) / 128) * (a.N / 256);
   const int forced = forced_bn("SMOE_ENGINE_BN_K");
   const bool wide = a.N % 256 == 0 && (forced ? forced == 256 : wide_tiles_fill(tiles256, sm_count));
-  return wide ? Choice{256, "dw<256>"} : Choice{128, "dw<128>"};
+  if (a.gather_p) return wide ? Choice{256, "dw_gather_p<256>"} : Choice{128, "dw_gather_p<128>"};
+  return wide ? Choice{256, "dw_gather_q<256>"} : Choice{128, "dw_gather_q<128>"};
 }
 
 Status varlen_m(const VarlenMArgs& a, int sm_count, cudaStream_t stream) {
@@ -137,6 +138,10 @@ Status varlen_k(const VarlenKArgs& a, int sm_count, cudaStream_t stream) {
   SMOE_RETURN_IF_ERROR(detail::check_ptr(a.P, fn, "P", 16));
   SMOE_RETURN_IF_ERROR(detail::check_ptr(a.Q, fn, "Q", 16));
   SMOE_RETURN_IF_ERROR(detail::check_ptr(a.D, fn, "D", 16));
+  if ((a.gather_p == nullptr) == (a.gather_q == nullptr))
+    return detail::make_status(StatusCode::kInvalidArgument,
+                               "engine::varlen_k: exactly one of gather_p / gather_q must be non-null "
+                               "(one operand gathered by cp.async, the other contiguous by TMA)");
   if (a.gather_p) SMOE_RETURN_IF_ERROR(detail::check_ptr(a.gather_p, fn, "gather_p", 4));
   if (a.gather_q) SMOE_RETURN_IF_ERROR(detail::check_ptr(a.gather_q, fn, "gather_q", 4));
   const Choice c = choose_varlen_k(a, sm_count);
@@ -144,7 +149,9 @@ Status varlen_k(const VarlenKArgs& a, int sm_count, cudaStream_t stream) {
     std::fprintf(stderr, "[smoe engine] varlen_k %s rows=%lld M=%d N=%d E=%d gather=(%d,%d) grid<=%d\n", c.name,
                  static_cast<long long>(a.rows), a.M, a.N, a.num_experts, a.gather_p != nullptr,
                  a.gather_q != nullptr, sm_count);
-  return c.bn == 256 ? inst::dw<256>(a, sm_count, stream) : inst::dw<128>(a, sm_count, stream);
+  if (a.gather_p)
+    return c.bn == 256 ? inst::dw_gather_p<256>(a, sm_count, stream) : inst::dw_gather_p<128>(a, sm_count, stream);
+  return c.bn == 256 ? inst::dw_gather_q<256>(a, sm_count, stream) : inst::dw_gather_q<128>(a, sm_count, stream);
 }
 
 }  // namespace engine

@@ -59,7 +59,8 @@ struct VarlenKArgs {
   const int32_t* expert_offset = nullptr;
   const bf16* P = nullptr;
   int64_t ld_p = 0;
-  const int32_t* gather_p = nullptr;  // null: rows of P are the grouped rows
+  const int32_t* gather_p = nullptr;  // exactly one of gather_p / gather_q is non-null; the other
+                                      // operand's rows are the grouped rows themselves
   const bf16* Q = nullptr;
   int64_t ld_q = 0;
   const int32_t* gather_q = nullptr;
@@ -88,7 +89,8 @@ template <int BN> Status up_swiglu(const VarlenMArgs& a, int sm_count, cudaStrea
 template <int BN> Status down_store(const VarlenMArgs& a, int sm_count, cudaStream_t s);
 template <int BN> Status da_dswiglu(const VarlenMArgs& a, int sm_count, cudaStream_t s);
 template <int BN> Status dx_store(const VarlenMArgs& a, int sm_count, cudaStream_t s);
-template <int BN> Status dw(const VarlenKArgs& a, int sm_count, cudaStream_t s);
+template <int BN> Status dw_gather_p(const VarlenKArgs& a, int sm_count, cudaStream_t s);
+template <int BN> Status dw_gather_q(const VarlenKArgs& a, int sm_count, cudaStream_t s);
 }  // namespace inst
 
 }  // namespace engine

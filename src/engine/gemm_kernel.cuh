@@ -28,7 +28,7 @@ __global__ void __launch_bounds__(kThreads, 1) engine_kernel(const __grid_consta
 }
 
 // Common body: barrier set-up, role split, consumer loop over the scheduler's tiles.
-template <class Cfg, class Producer, class Consumer, class Epi, int kProducerRegs, int kConsumerRegs>
+template <class Cfg, class Producer, class Consumer, class Epi, class Tail, int kProducerRegs, int kConsumerRegs>
 struct KernelBody {
   using Storage = SharedStorage<Cfg>;
   // setmaxnreg moves registers inside the CTA's launch allocation (168 per thread x 384, the
@@ -46,7 +46,7 @@ struct KernelBody {
     }
   }
 
-  // tile_ctx(WorkTile) -> (TileCtx, k_tiles)
+  // tile_ctx(WorkTile, k_tiles&, tail_valid&) -> TileCtx
   template <class Params, class Sched, class CtxFn>
   __device__ static void roles(const Params& p, Storage& s, const Sched& sched, CtxFn tile_ctx) {
     // One if/else on a warp-uniform role (the shuffle tells ptxas it is uniform), one branch per
@@ -75,10 +75,10 @@ struct KernelBody {
     PipeState ps;
     const int total = sched.total_tiles();
     for (int t = blockIdx.x; t < total; t += gridDim.x) {
-      int k_tiles = 0;
-      const TileCtx ctx = tile_ctx(sched.get(t), k_tiles);
+      int k_tiles = 0, tail_valid = 0;
+      const TileCtx ctx = tile_ctx(sched.get(t), k_tiles, tail_valid);
       const auto pre = Epi::prefetch(p.epi, accum, cd, ctx);  // per-row epilogue inputs, early
-      Consumer::run(tiled_mma, tCrA, tCrB, accum, k_tiles, ps, s);
+      Consumer::template run<Tail>(tiled_mma, tCrA, tCrB, accum, k_tiles, tail_valid, ps, s);
       Epi::apply(p.epi, accum, cd, ctx, pre);
     }
   }
@@ -90,7 +90,7 @@ struct VarlenMKernel {
   static constexpr bool kGather = kALoad == ALoad::kGather;
   using Producer = ProducerVarlenM<Cfg, kALoad>;
   using Consumer = ConsumerMma<Cfg, kGather>;
-  using Body = KernelBody<Cfg, Producer, Consumer, Epi, kGather ? 56 : 40, kGather ? 224 : 232>;
+  using Body = KernelBody<Cfg, Producer, Consumer, Epi, NoTail, kGather ? 56 : 40, kGather ? 224 : 232>;
   using Storage = typename Body::Storage;
 
   using GmemK = Layout<Shape<int, int>, Stride<int64_t, _1>>;   // (rows, K), K contiguous
@@ -159,7 +159,7 @@ struct VarlenMKernel {
     __syncthreads();
     const VarlenMScheduler<Cfg::BM> sched{p.expert_offset, s.tile_start, p.E, p.n_tiles};
     const int k_tiles = p.K / Cfg::BK;
-    Body::roles(p, s, sched, [&](const WorkTile& w, int& kt) {
+    Body::roles(p, s, sched, [&](const WorkTile& w, int& kt, int&) {
       kt = k_tiles;
       const int col0 = w.n_tile * Cfg::BN;
       return TileCtx{w.row0, w.rows, col0, p.N - col0, w.n_tile, false};
@@ -168,13 +168,20 @@ struct VarlenMKernel {
 };
 
 // ---- varlen-K --------------------------------------------------------------------------------
-template <class Cfg>
+template <class Cfg, bool kTmaOnA>
 struct VarlenKKernel {
-  using Producer = ProducerVarlenK<Cfg>;
+  using Producer = ProducerVarlenK<Cfg, kTmaOnA>;
   using Consumer = ConsumerMma<Cfg, true>;
   using Epi = EpiStore;
-  using Body = KernelBody<Cfg, Producer, Consumer, Epi, 88, 208>;
+  using Body = KernelBody<Cfg, Producer, Consumer, Epi, ZeroTail<Cfg, kTmaOnA>, 72, 216>;
   using Storage = typename Body::Storage;
+
+  using GmemMN = Layout<Shape<int, int>, Stride<_1, int64_t>>;  // (columns, rows), columns contiguous
+  using SmemC = std::conditional_t<kTmaOnA, typename Cfg::SmemLayoutA, typename Cfg::SmemLayoutB>;
+  static auto tma_for(const Bf16* ptr, GmemMN gl) {
+    return make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(ptr), gl), SmemC{}(_, _, Int<0>{}));
+  }
+  using TmaC = decltype(tma_for(nullptr, GmemMN{}));
 
   struct Params {
     int E, M, N;
@@ -186,15 +193,26 @@ struct VarlenKKernel {
     const Bf16* Q;
     int64_t ld_q;
     const int32_t* gather_q;
+    int c_cols, c_rows;  // the contiguous operand's tensor map: (M or N, grouped rows)
+    TmaC tma_c;
     Epi::Params epi;
   };
 
+  static void make_tma(Params& p, int64_t rows) {
+    p.c_cols = kTmaOnA ? p.M : p.N;
+    p.c_rows = static_cast<int>(rows > 0 ? rows : 1);  // no tile loads when there are no rows
+    p.tma_c = tma_for(kTmaOnA ? p.P : p.Q,
+                      make_layout(make_shape(p.c_cols, p.c_rows), make_stride(_1{}, kTmaOnA ? p.ld_p : p.ld_q)));
+  }
+
   __device__ static void run(const Params& p, Storage& s) {
     Body::init_barriers(s);
+    if (threadIdx.x == 0) cute::prefetch_tma_descriptor(p.tma_c.get_tma_descriptor());
     __syncthreads();
     const VarlenKScheduler sched{p.expert_offset, p.E, p.m_tiles, p.n_tiles};
-    Body::roles(p, s, sched, [&](const WorkTile& w, int& kt) {
+    Body::roles(p, s, sched, [&](const WorkTile& w, int& kt, int& tail) {
       kt = (w.rows + Cfg::BK - 1) / Cfg::BK;
+      tail = w.rows % Cfg::BK;
       const int m0 = w.m_tile * Cfg::BM, col0 = w.n_tile * Cfg::BN;
       const int rows = p.M - m0 < Cfg::BM ? p.M - m0 : Cfg::BM;
       return TileCtx{static_cast<int64_t>(w.expert) * p.M + m0, rows, col0, p.N - col0, w.n_tile,

@@ -32,9 +32,9 @@ Status run_varlen_m(const VarlenMArgs& a, int sm_count, cudaStream_t stream, con
   return launch<K>(p, grid, stream, name);
 }
 
-template <class Cfg>
+template <class Cfg, bool kTmaOnA>
 Status run_varlen_k(const VarlenKArgs& a, int sm_count, cudaStream_t stream, const char* name) {
-  using K = VarlenKKernel<Cfg>;
+  using K = VarlenKKernel<Cfg, kTmaOnA>;
   typename K::Params p;
   p.E = a.num_experts;
   p.M = a.M;
@@ -49,6 +49,7 @@ Status run_varlen_k(const VarlenKArgs& a, int sm_count, cudaStream_t stream, con
   p.ld_q = a.ld_q;
   p.gather_q = a.gather_q;
   p.epi = {a.D, a.N};
+  K::make_tma(p, a.rows);
   const int64_t tiles = static_cast<int64_t>(a.num_experts) * p.m_tiles * p.n_tiles;
   const int grid = static_cast<int>(tiles < sm_count ? tiles : sm_count);
   return launch<K>(p, grid, stream, name);

@@ -3,12 +3,17 @@
 //
 //   D_e(m, n) = sum over rows r of expert e:  P[src_P(r)][m0 + m] * Q[src_Q(r)][n0 + n]
 //
-// Both operands are MN-major in shared memory (64 contiguous m or n values per k = row). Rows are
-// copied with 16-byte cp.async by all 128 producer threads, each row either contiguous
-// (src(r) = r) or gathered (src(r) = gather_idx[r]); rows past the expert's end and columns past
-// the operand's width are zero-filled, so the tail K-tile adds exact zeros (no other expert's data
-// enters, whatever its values). The row indices of K-tile k + 1 are fetched while K-tile k is
-// issued, so index latency stays off the copy path.
+// One operand is gathered (src(r) = gather_idx[r]: dO for dW2, x for dW1), the other is the
+// grouped rows themselves (A' for dW2, dH for dW1). Both are MN-major in shared memory (64
+// contiguous m or n values per k = row).
+//   * contiguous operand: TMA, one tensor map over all grouped rows; in an expert's last, partial
+//     K-tile the box runs into the next expert's rows, which the consumers overwrite with zeros
+//     before the MMA (ZeroTail), so no other expert's values enter (not even 0 * Inf).
+//   * gathered operand: 16-byte cp.async by all 128 producer threads; rows past the expert's end
+//     and columns past the width are zero-filled. The row indices of K-tile k + 1 are loaded (all
+//     at once, unconditionally, so they are in flight together) right after K-tile k is issued,
+//     and turned into addresses then: issuing a copy is an add and the cp.async.
+// One mbarrier per stage: the TMA thread's arrive_expect_tx + 128 cp.async noinc arrivals.
 #pragma once
 
 #include "engine/sm90_primitives.cuh"
@@ -18,16 +23,12 @@
 namespace smoe {
 namespace engine {
 
-// One operand: a tile of BX columns (m or n) by BK rows per stage. Thread t copies chunk t % (BX/8)
-// of rows t / (BX/8) + R i (R = 128 / (BX/8) rows per pass). Addresses are computed once per
-// K-tile, when the row indices arrive (fetch_rows), so issuing a copy is an add and the cp.async:
-// the copy loop is the producer's critical path (with the 64-bit row * ld products and constant
-// reloads inside it, v0 of this loader issued a copy only every ~15 instructions and starved the
-// tensor cores). Shared addresses: rows 8 apart are one swizzle atom (BK-direction) apart, so a
-// thread needs only the addresses of its first (8 / R) passes.
-template <int BX, int BK, class SmemLayout>
-struct MNMajorRowLoader {
-  static constexpr int kChunksPerRow = BX / 8;                       // 16-byte chunks
+// The gathered operand: a tile of BX columns (m or n) by BK rows per stage. Thread t copies chunk
+// t % (BX/8) of rows t / (BX/8) + R i (R = 128 / (BX/8) rows per pass). Rows 8 apart are one
+// swizzle atom (BK-direction) apart, so a thread keeps only its first (8 / R) passes' addresses.
+template <int BX, int BK>
+struct GatherRowLoader {
+  static constexpr int kChunksPerRow = BX / 8;
   static constexpr int kRowsPerPass = kProducerThreads / kChunksPerRow;
   static constexpr int kPasses = BK / kRowsPerPass;
   static constexpr int kPhases = kRowsPerPass < 8 ? 8 / kRowsPerPass : 1;
@@ -35,11 +36,11 @@ struct MNMajorRowLoader {
   static_assert(kChunksPerRow <= kProducerThreads && BK % kRowsPerPass == 0, "tile too wide");
   static_assert(8 % kRowsPerPass == 0 || kRowsPerPass % 8 == 0, "rows per pass vs swizzle period");
 
-  int chunk;                  // this thread's chunk column
-  int row_in_tile0;           // its first row inside the K-tile
-  uint32_t saddr0[kPhases];   // stage-0 shared addresses of passes 0 .. kPhases-1
-  uint32_t atom_bytes;        // shared-memory distance of rows 8 apart
-  const Bf16* src[kPasses];   // global source of each pass (nullptr: zero fill)
+  int chunk;
+  int row_in_tile0;
+  uint32_t saddr0[kPhases];
+  uint32_t atom_bytes;
+  const Bf16* src[kPasses];  // nullptr: zero fill
 
   template <class STensor>
   __device__ void init(const STensor& s, int tid) {
@@ -51,19 +52,21 @@ struct MNMajorRowLoader {
     atom_bytes = smem_u32(&s(chunk * 8, row_in_tile0 + 8, 0)) - smem_u32(&s(chunk * 8, row_in_tile0, 0));
   }
 
-  // Sources of K-tile k for an expert whose rows are [row0, row0 + rows); columns col0 + chunk.
-  __device__ void fetch_rows(const Bf16* base, int64_t ld, const int32_t* gather, int row0, int rows,
-                             int k, int col0, int cols) {
+  // K-tile k of an expert whose rows are [row0, row0 + rows), rows >= 1; columns col0 + chunk.
+  __device__ void fetch_rows(const Bf16* base, int64_t ld, const int32_t* __restrict__ gather, int row0,
+                             int rows, int k, int col0, int cols) {
+    int idx[kPasses];
+#pragma unroll
+    for (int i = 0; i < kPasses; ++i) {  // loads first, all in flight together
+      const int r = k * BK + row_in_tile0 + i * kRowsPerPass;
+      idx[i] = __ldg(gather + row0 + (r < rows ? r : rows - 1));
+    }
     const int c = col0 + chunk * 8;
     const bool col_ok = c < cols;
 #pragma unroll
     for (int i = 0; i < kPasses; ++i) {
       const int r = k * BK + row_in_tile0 + i * kRowsPerPass;
-      src[i] = nullptr;
-      if (r < rows && col_ok) {
-        const int64_t row = gather ? __ldg(gather + row0 + r) : row0 + r;
-        src[i] = base + row * ld + c;
-      }
+      src[i] = r < rows && col_ok ? base + static_cast<int64_t>(idx[i]) * ld + c : nullptr;
     }
   }
 
@@ -76,10 +79,12 @@ struct MNMajorRowLoader {
   }
 };
 
-template <class Cfg>
+// kTmaOnA: P (operand A) is the contiguous one (dW1: P = dH); else Q (operand B) is (dW2: Q = A').
+template <class Cfg, bool kTmaOnA>
 struct ProducerVarlenK {
   static constexpr int BM = Cfg::BM, BN = Cfg::BN, BK = Cfg::BK, kStages = Cfg::kStages;
-  static constexpr uint32_t kFullArrivals = kProducerThreads;
+  static constexpr uint32_t kFullArrivals = 1 + kProducerThreads;
+  static constexpr uint32_t kTxBytes = kTmaOnA ? Cfg::kBytesA : Cfg::kBytesB;
   static_assert(Cfg::kMajorA == GMMA::Major::MN && Cfg::kMajorB == GMMA::Major::MN, "varlen-K: MN-major");
 
   template <class Params, class Storage, class Sched>
@@ -87,10 +92,19 @@ struct ProducerVarlenK {
     const int tid = threadIdx.x;
     Tensor sA = make_tensor(make_smem_ptr(s.A.data()), typename Cfg::SmemLayoutA{});
     Tensor sB = make_tensor(make_smem_ptr(s.B.data()), typename Cfg::SmemLayoutB{});
-    MNMajorRowLoader<BM, BK, typename Cfg::SmemLayoutA> la;
-    MNMajorRowLoader<BN, BK, typename Cfg::SmemLayoutB> lb;
-    la.init(sA, tid);
-    lb.init(sB, tid);
+    Tensor mC = p.tma_c.get_tma_tensor(make_shape(p.c_cols, p.c_rows));
+    auto sC = [&] {
+      if constexpr (kTmaOnA) return sA;
+      else return sB;
+    }();
+    constexpr int BG = kTmaOnA ? BN : BM;  // the gathered operand's width
+    GatherRowLoader<BG, BK> lg;
+    if constexpr (kTmaOnA) lg.init(sB, tid); else lg.init(sA, tid);
+    const Bf16* g_base = kTmaOnA ? p.Q : p.P;
+    const int64_t g_ld = kTmaOnA ? p.ld_q : p.ld_p;
+    const int32_t* g_idx = kTmaOnA ? p.gather_q : p.gather_p;
+    const int g_cols = kTmaOnA ? p.N : p.M;
+    constexpr uint32_t kGBytes = kTmaOnA ? Cfg::kBytesB : Cfg::kBytesA;
 
     PipeState ps;
     const int total = sched.total_tiles();
@@ -98,23 +112,53 @@ struct ProducerVarlenK {
       const WorkTile w = sched.get(t);
       const int k_tiles = (w.rows + BK - 1) / BK;
       const int m0 = w.m_tile * BM, n0 = w.n_tile * BN;
-      if (k_tiles > 0) {
-        la.fetch_rows(p.P, p.ld_p, p.gather_p, w.row0, w.rows, 0, m0, p.M);
-        lb.fetch_rows(p.Q, p.ld_q, p.gather_q, w.row0, w.rows, 0, n0, p.N);
-      }
+      const int g_col0 = kTmaOnA ? n0 : m0;
+      if (k_tiles > 0) lg.fetch_rows(g_base, g_ld, g_idx, w.row0, w.rows, 0, g_col0, g_cols);
       for (int k = 0; k < k_tiles; ++k) {
         cutlass::arch::ClusterBarrier::wait(&s.empty[ps.stage], ps.phase ^ 1u);
-        la.issue(p.P, ps.stage * Cfg::kBytesA);
-        lb.issue(p.Q, ps.stage * Cfg::kBytesB);
-        cp_async_arrive_noinc(&s.full[ps.stage]);
-        if (k + 1 < k_tiles) {
-          la.fetch_rows(p.P, p.ld_p, p.gather_p, w.row0, w.rows, k + 1, m0, p.M);
-          lb.fetch_rows(p.Q, p.ld_q, p.gather_q, w.row0, w.rows, k + 1, n0, p.N);
+        if (tid == 0) {
+          cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&s.full[ps.stage], kTxBytes);
+          Tensor gC = local_tile(domain_offset(make_coord(kTmaOnA ? m0 : n0, w.row0), mC),
+                                 make_shape(Int<kTmaOnA ? BM : BN>{}, Int<BK>{}), make_coord(0, _));
+          auto [tCg, tCs] = tma_partition(p.tma_c, Int<0>{}, Layout<_1>{},
+                                          group_modes<0, 2>(sC), group_modes<0, 2>(gC));
+          copy(p.tma_c.with(s.full[ps.stage]), tCg(_, k), tCs(_, ps.stage));
         }
+        lg.issue(g_base, ps.stage * kGBytes);
+        cp_async_arrive_noinc(&s.full[ps.stage]);
+        if (k + 1 < k_tiles) lg.fetch_rows(g_base, g_ld, g_idx, w.row0, w.rows, k + 1, g_col0, g_cols);
         ps.template advance<kStages>();
       }
     }
   }
+};
+
+// Consumer side of the tail: in an expert's last K-tile with valid < BK rows, rows [valid, BK) of
+// the TMA-loaded operand hold the next expert's values; the 256 consumer threads zero them, fence
+// them for the async proxy and meet at a named barrier before the MMA reads the stage.
+template <class Cfg, bool kTmaOnA>
+struct ZeroTail {
+  template <class Storage>
+  __device__ static void apply(Storage& s, int stage, int valid, int ctid) {
+    constexpr int BX = kTmaOnA ? Cfg::BM : Cfg::BN;
+    constexpr int kChunks = BX / 8;
+    auto sX = [&] {
+      if constexpr (kTmaOnA) return make_tensor(make_smem_ptr(s.A.data()), typename Cfg::SmemLayoutA{});
+      else return make_tensor(make_smem_ptr(s.B.data()), typename Cfg::SmemLayoutB{});
+    }();
+    const int n = (Cfg::BK - valid) * kChunks;
+    for (int i = ctid; i < n; i += kConsumerThreads) {
+      const int row = valid + i / kChunks, chunk = i % kChunks;
+      *reinterpret_cast<uint4*>(&sX(chunk * 8, row, stage)) = make_uint4(0, 0, 0, 0);
+    }
+    fence_generic_to_async_smem();
+    cutlass::arch::NamedBarrier::sync(kConsumerThreads, 1);
+  }
+};
+
+struct NoTail {
+  template <class Storage>
+  __device__ static void apply(Storage&, int, int, int) {}
 };
 
 }  // namespace engine

@@ -352,7 +352,8 @@ TEST(GpuEngine, WideTilesLargeShapes) {
 TEST(GpuEngine, VarlenK) {
   run_k({kEdgeCounts, 192, 320, true, false});
   run_k({kEdgeCounts, 256, 128, false, true});
-  run_k({kEdgeCounts, 64, 64, false, false});
+  run_k({kEdgeCounts, 64, 64, false, true});
+  run_k({kEdgeCounts, 64, 128, true, false});
 }
 TEST(GpuEngine, ManyExpertsMostlyEmpty) {
   std::mt19937_64 g(smoe_test::fresh_seed());
@@ -363,7 +364,7 @@ TEST(GpuEngine, ManyExpertsMostlyEmpty) {
 }
 TEST(GpuEngine, ZeroRows) {
   run_m({{0, 0, 0}, 128, 64, eng::WeightMajor::kNK, eng::Epilogue::kStore, false});
-  run_k({{0, 0, 0}, 128, 64, false, false});  // every expert empty: all-zero gradients
+  run_k({{0, 0, 0}, 128, 64, false, true});  // every expert empty: all-zero gradients
 }
 TEST(GpuEngine, BadArgumentsRejected) {
   eng::VarlenMArgs a;
@@ -380,4 +381,10 @@ TEST(GpuEngine, BadArgumentsRejected) {
   s = eng::varlen_k(k, sms(), 0);
   EXPECT_FALSE(s.ok());
   EXPECT_NE(s.message.find("num_experts"), std::string::npos) << s.message;
+  k.num_experts = 4;
+  k.ld_p = 64;
+  k.ld_q = 64;
+  s = eng::varlen_k(k, sms(), 0);  // neither operand gathered
+  EXPECT_FALSE(s.ok());
+  EXPECT_NE(s.message.find("exactly one of gather_p / gather_q"), std::string::npos) << s.message;
 }
