@@ -66,12 +66,30 @@ Choice choose_varlen_m(const VarlenMArgs& a, int sm_count) {
   return {bn, wide ? "dx_store<256>" : "dx_store<128>"};
 }
 
-Choice choose_varlen_k(const VarlenKArgs& a, int sm_count) {
+// A gather_q call (Q gathered, P contiguous, D [E][M][N]) runs as its transpose: P' = Q gathered,
+// Q' = P contiguous, D'[e] = D[e]^T stored transposed. The gathered operand is then always the
+// kernel's A (the 128-wide tile side) and the contiguous one B (TMA, up to 256 wide).
+VarlenKArgs as_gather_p(const VarlenKArgs& a) {
+  if (a.gather_p) return a;
+  VarlenKArgs t = a;
+  t.M = a.N;
+  t.N = a.M;
+  t.P = a.Q;
+  t.ld_p = a.ld_q;
+  t.gather_p = a.gather_q;
+  t.Q = a.P;
+  t.ld_q = a.ld_p;
+  t.gather_q = nullptr;
+  return t;
+}
+
+Choice choose_varlen_k(const VarlenKArgs& a_in, int sm_count) {
+  const VarlenKArgs a = as_gather_p(a_in);
   const int64_t tiles256 = static_cast<int64_t>(a.num_experts) * ((a.M + 127) / 128) * (a.N / 256);
   const int forced = forced_bn("SMOE_ENGINE_BN_K");
   const bool wide = a.N % 256 == 0 && (forced ? forced == 256 : wide_tiles_fill(tiles256, sm_count));
   if (a.gather_p) return wide ? Choice{256, "dw_gather_p<256>"} : Choice{128, "dw_gather_p<128>"};
-  return wide ? Choice{256, "dw_gather_q<256>"} : Choice{128, "dw_gather_q<128>"};
+  return wide ? Choice{256, "dw_gather_p_t<256>"} : Choice{128, "dw_gather_p_t<128>"};
 }
 
 Status varlen_m(const VarlenMArgs& a, int sm_count, cudaStream_t stream) {
@@ -134,14 +152,14 @@ Status varlen_k(const VarlenKArgs& a, int sm_count, cudaStream_t stream) {
   if (a.rows < 0 || a.rows > kMaxRows) return rule(fn, "rows", a.rows, "must be in [0, 2^31)");
   if (a.ld_p < a.M || a.ld_p % 8 != 0) return rule(fn, "ld_p", a.ld_p, "must be >= M and a multiple of 8");
   if (a.ld_q < a.N || a.ld_q % 8 != 0) return rule(fn, "ld_q", a.ld_q, "must be >= N and a multiple of 8");
-  SMOE_RETURN_IF_ERROR(detail::check_ptr(a.expert_offset, fn, "expert_offset", 4));
-  SMOE_RETURN_IF_ERROR(detail::check_ptr(a.P, fn, "P", 16));
-  SMOE_RETURN_IF_ERROR(detail::check_ptr(a.Q, fn, "Q", 16));
-  SMOE_RETURN_IF_ERROR(detail::check_ptr(a.D, fn, "D", 16));
   if ((a.gather_p == nullptr) == (a.gather_q == nullptr))
     return detail::make_status(StatusCode::kInvalidArgument,
                                "engine::varlen_k: exactly one of gather_p / gather_q must be non-null "
                                "(one operand gathered by cp.async, the other contiguous by TMA)");
+  SMOE_RETURN_IF_ERROR(detail::check_ptr(a.expert_offset, fn, "expert_offset", 4));
+  SMOE_RETURN_IF_ERROR(detail::check_ptr(a.P, fn, "P", 16));
+  SMOE_RETURN_IF_ERROR(detail::check_ptr(a.Q, fn, "Q", 16));
+  SMOE_RETURN_IF_ERROR(detail::check_ptr(a.D, fn, "D", 16));
   if (a.gather_p) SMOE_RETURN_IF_ERROR(detail::check_ptr(a.gather_p, fn, "gather_p", 4));
   if (a.gather_q) SMOE_RETURN_IF_ERROR(detail::check_ptr(a.gather_q, fn, "gather_q", 4));
   const Choice c = choose_varlen_k(a, sm_count);
@@ -149,9 +167,10 @@ Status varlen_k(const VarlenKArgs& a, int sm_count, cudaStream_t stream) {
     std::fprintf(stderr, "[smoe engine] varlen_k %s rows=%lld M=%d N=%d E=%d gather=(%d,%d) grid<=%d\n", c.name,
                  static_cast<long long>(a.rows), a.M, a.N, a.num_experts, a.gather_p != nullptr,
                  a.gather_q != nullptr, sm_count);
+  const VarlenKArgs t = as_gather_p(a);
   if (a.gather_p)
-    return c.bn == 256 ? inst::dw_gather_p<256>(a, sm_count, stream) : inst::dw_gather_p<128>(a, sm_count, stream);
-  return c.bn == 256 ? inst::dw_gather_q<256>(a, sm_count, stream) : inst::dw_gather_q<128>(a, sm_count, stream);
+    return c.bn == 256 ? inst::dw_gather_p<256>(t, sm_count, stream) : inst::dw_gather_p<128>(t, sm_count, stream);
+  return c.bn == 256 ? inst::dw_gather_p_t<256>(t, sm_count, stream) : inst::dw_gather_p_t<128>(t, sm_count, stream);
 }
 
 }  // namespace engine

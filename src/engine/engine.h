@@ -90,7 +90,8 @@ template <int BN> Status down_store(const VarlenMArgs& a, int sm_count, cudaStre
 template <int BN> Status da_dswiglu(const VarlenMArgs& a, int sm_count, cudaStream_t s);
 template <int BN> Status dx_store(const VarlenMArgs& a, int sm_count, cudaStream_t s);
 template <int BN> Status dw_gather_p(const VarlenKArgs& a, int sm_count, cudaStream_t s);
-template <int BN> Status dw_gather_q(const VarlenKArgs& a, int sm_count, cudaStream_t s);
+// P gathered, Q contiguous, D stored transposed ([E][N][M]).
+template <int BN> Status dw_gather_p_t(const VarlenKArgs& a, int sm_count, cudaStream_t s);
 }  // namespace inst
 
 }  // namespace engine

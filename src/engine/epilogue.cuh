@@ -87,6 +87,40 @@ struct EpiStore {
   }
 };
 
+// Transposed store (varlen-K only): the kernel's D'(m, n) of expert e goes to D[e][n][m], with D
+// [E][N][M]; tile row0 = e * M + m0 (as for EpiStore). Used when the gathered operand is the
+// output's column dimension (dW1 = dH^T x[gather]): computing its transpose keeps the gathered
+// operand the narrow (128-row) one. 2-byte stores, once per tile after a full-length reduction.
+struct EpiStoreT {
+  struct Params {
+    bf16* D;
+    int64_t M;  // the kernel's M: the stored matrix's row length
+    int64_t N;
+  };
+  template <class Accum, class Coords>
+  __device__ static NoPrefetch prefetch(const Params&, const Accum&, const Coords&, const TileCtx&) {
+    return {};
+  }
+  template <class Accum, class Coords>
+  __device__ static void apply(const Params& p, const Accum& acc, const Coords& cd, const TileCtx& t,
+                               NoPrefetch) {
+    const AccPos pos(cd);
+    const int64_t e = t.row0 / p.M, m0 = t.row0 - e * p.M;
+    bf16* base = p.D + e * p.M * p.N + static_cast<int64_t>(t.col0 + pos.n0) * p.M + m0 + pos.m0;
+    CUTE_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      if (!pos.row_ok(t, h)) continue;
+      CUTE_UNROLL
+      for (int j = 0; j < acc_col_groups<Accum>(); ++j) {
+        if (!AccPos::col_ok(t, j)) continue;
+        CUTE_UNROLL
+        for (int q = 0; q < 2; ++q)
+          base[(8 * j + q) * p.M + 8 * h] = t.zero ? __float2bfloat16_rn(0.f) : __float2bfloat16_rn(acc(4 * j + 2 * h + q));
+      }
+    }
+  }
+};
+
 struct EpiSwiGLU {
   struct Params {
     bf16* H;     // [rows][N]   N = 2n

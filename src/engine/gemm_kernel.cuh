@@ -168,11 +168,13 @@ struct VarlenMKernel {
 };
 
 // ---- varlen-K --------------------------------------------------------------------------------
-template <class Cfg, bool kTmaOnA>
+// P gathered (cp.async), Q contiguous (TMA); Epi = EpiStore (D [E][M][N]) or EpiStoreT (D [E][N][M]).
+template <class Cfg, class Epi_>
 struct VarlenKKernel {
+  static constexpr bool kTmaOnA = false;
   using Producer = ProducerVarlenK<Cfg, kTmaOnA>;
   using Consumer = ConsumerMma<Cfg, true>;
-  using Epi = EpiStore;
+  using Epi = Epi_;
   using Body = KernelBody<Cfg, Producer, Consumer, Epi, ZeroTail<Cfg, kTmaOnA>, 72, 216>;
   using Storage = typename Body::Storage;
 
@@ -195,7 +197,7 @@ struct VarlenKKernel {
     const int32_t* gather_q;
     int c_cols, c_rows;  // the contiguous operand's tensor map: (M or N, grouped rows)
     TmaC tma_c;
-    Epi::Params epi;
+    typename Epi::Params epi;
   };
 
   static void make_tma(Params& p, int64_t rows) {

@@ -32,9 +32,13 @@ Status run_varlen_m(const VarlenMArgs& a, int sm_count, cudaStream_t stream, con
   return launch<K>(p, grid, stream, name);
 }
 
-template <class Cfg, bool kTmaOnA>
+inline EpiStore::Params epi_params_k(EpiStore*, const VarlenKArgs& a) { return {a.D, a.N}; }
+inline EpiStoreT::Params epi_params_k(EpiStoreT*, const VarlenKArgs& a) { return {a.D, a.M, a.N}; }
+
+// a: P gathered, Q contiguous (engine.cu swaps a gather_q call into this form).
+template <class Cfg, class Epi>
 Status run_varlen_k(const VarlenKArgs& a, int sm_count, cudaStream_t stream, const char* name) {
-  using K = VarlenKKernel<Cfg, kTmaOnA>;
+  using K = VarlenKKernel<Cfg, Epi>;
   typename K::Params p;
   p.E = a.num_experts;
   p.M = a.M;
@@ -48,7 +52,7 @@ Status run_varlen_k(const VarlenKArgs& a, int sm_count, cudaStream_t stream, con
   p.Q = reinterpret_cast<const Bf16*>(a.Q);
   p.ld_q = a.ld_q;
   p.gather_q = a.gather_q;
-  p.epi = {a.D, a.N};
+  p.epi = epi_params_k(static_cast<Epi*>(nullptr), a);
   K::make_tma(p, a.rows);
   const int64_t tiles = static_cast<int64_t>(a.num_experts) * p.m_tiles * p.n_tiles;
   const int grid = static_cast<int>(tiles < sm_count ? tiles : sm_count);

@@ -6,7 +6,7 @@ namespace engine {
 namespace inst {
 template <>
 Status dw_gather_p<128>(const VarlenKArgs& a, int sms, cudaStream_t s) {
-  return run_varlen_k<TileConfig<128, 6, GMMA::Major::MN, GMMA::Major::MN>, false>(a, sms, s, "engine dw_gather_p<128>");
+  return run_varlen_k<TileConfig<128, 6, GMMA::Major::MN, GMMA::Major::MN>, EpiStore>(a, sms, s, "engine dw_gather_p<128>");
 }
 }  // namespace inst
 }  // namespace engine

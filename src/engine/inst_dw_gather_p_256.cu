@@ -6,7 +6,7 @@ namespace engine {
 namespace inst {
 template <>
 Status dw_gather_p<256>(const VarlenKArgs& a, int sms, cudaStream_t s) {
-  return run_varlen_k<TileConfig<256, 4, GMMA::Major::MN, GMMA::Major::MN>, false>(a, sms, s, "engine dw_gather_p<256>");
+  return run_varlen_k<TileConfig<256, 4, GMMA::Major::MN, GMMA::Major::MN>, EpiStore>(a, sms, s, "engine dw_gather_p<256>");
 }
 }  // namespace inst
 }  // namespace engine
