@@ -3,12 +3,15 @@
 //   dA' = dO[gather] W2_e            engine varlen-M, dSwiGLU + dS epilogue: dH, A' = s*A and
 //                                    per-column-tile partial dS (deterministic)
 //   dS[t,k] = sum of the partials    fixed order
-//   dW2_e = dO[gather]_e^T A'_e      engine varlen-K (dO gathered)
+//   dW2_e = dO[gather]_e^T A'_e      engine varlen-K (dO gathered), or CUTLASS on dO gathered
+//                                    into the dX~ buffer first (dw_path.h says which)
 //   router: dl, dense bf16 dlogits; dW_r = dlogits^T x (cuBLAS, fp32 out -> bf16)
-//   dW1_e = dH_e^T x[gather]_e       engine varlen-K (x gathered)
+//   dW1_e = dH_e^T x[gather]_e       engine varlen-K (x gathered), or CUTLASS likewise
 //   dX~ = dH W1_e                    engine varlen-M, dH by TMA
 //   dx[t] = sum_k dX~[row(t,k)] + dl[t,k] W_r[e_k]
 #include "engine/engine.h"
+#include "gemm/grouped_gemm.h"
+#include "moe/dw_path.h"
 #include "moe/cublas_handles.h"
 #include "moe/layer_common.h"
 #include "moe/layer_kernels.h"
@@ -33,11 +36,11 @@ Status moe_backward(const MoEBackwardArgs& a, cudaStream_t stream) {
   SMOE_RETURN_IF_ERROR(detail::check_ptr(a.dw2, fn, "dw2", 16));
   SMOE_RETURN_IF_ERROR(layer::check_buffer(a.saved, a.saved_bytes, moe_saved_state_size(s), fn, "saved",
                                            "saved_bytes", "moe_saved_state_size"));
-  const plan::BackwardWs w = plan::backward_ws(s, a.workspace);
-  SMOE_RETURN_IF_ERROR(layer::check_buffer(a.workspace, a.workspace_bytes, w.total, fn, "workspace",
-                                           "workspace_bytes", "moe_backward_workspace_size"));
   int sms = 0;
   SMOE_RETURN_IF_ERROR(layer::sm_count(&sms));
+  const plan::BackwardWs w = plan::backward_ws(s, a.workspace, sms);
+  SMOE_RETURN_IF_ERROR(layer::check_buffer(a.workspace, a.workspace_bytes, w.total, fn, "workspace",
+                                           "workspace_bytes", "moe_backward_workspace_size"));
   const MoESavedView sv = moe_saved_state_view(s, const_cast<void*>(a.saved));
   const int64_t tk = s.T * s.K;
   profile::mark("begin", stream);
@@ -65,19 +68,32 @@ Status moe_backward(const MoEBackwardArgs& a, cudaStream_t stream) {
                                           w.dS, stream));
   profile::mark("dA_proj", stream);
 
-  engine::VarlenKArgs dw2;
-  dw2.num_experts = s.E;
-  dw2.M = s.d;
-  dw2.N = s.n;
-  dw2.rows = tk;
-  dw2.expert_offset = sv.expert_offset;
-  dw2.P = a.dout;
-  dw2.ld_p = s.d;
-  dw2.gather_p = sv.gather_idx;
-  dw2.Q = w.a_prime;
-  dw2.ld_q = s.n;
-  dw2.D = a.dw2;
-  SMOE_RETURN_IF_ERROR(engine::varlen_k(dw2, sms, stream));
+  if (layer::dw2_path(s) == layer::DwPath::kEngine) {
+    engine::VarlenKArgs dw2;
+    dw2.num_experts = s.E;
+    dw2.M = s.d;
+    dw2.N = s.n;
+    dw2.rows = tk;
+    dw2.expert_offset = sv.expert_offset;
+    dw2.P = a.dout;
+    dw2.ld_p = s.d;
+    dw2.gather_p = sv.gather_idx;
+    dw2.Q = w.a_prime;
+    dw2.ld_q = s.n;
+    dw2.D = a.dw2;
+    SMOE_RETURN_IF_ERROR(engine::varlen_k(dw2, sms, stream));
+  } else {
+    SMOE_RETURN_IF_ERROR(kernels::gather_rows(a.dout, s.d, sv.gather_idx, tk, w.dXt, stream));
+    gemm::VarlenKArgs dw2;
+    dw2.num_experts = s.E;
+    dw2.M = s.d;
+    dw2.N = s.n;
+    dw2.expert_offset = sv.expert_offset;
+    dw2.P = w.dXt;  // dO gathered
+    dw2.Q = w.a_prime;
+    dw2.D = a.dw2;
+    SMOE_RETURN_IF_ERROR(gemm::varlen_k_gemm(dw2, w.cutlass, w.cutlass_bytes, sms, stream));
+  }
   profile::mark("dW2", stream);
 
   SMOE_RETURN_IF_ERROR(kernels::router_backward(w.dS, sv.scores, sv.topk_expert, s.K, s.E, s.T, w.dl,
@@ -94,19 +110,32 @@ Status moe_backward(const MoEBackwardArgs& a, cudaStream_t stream) {
   SMOE_RETURN_IF_ERROR(kernels::f32_to_bf16(w.dwr32, a.dw_router, static_cast<int64_t>(s.E) * s.d, stream));
   profile::mark("router_bwd", stream);
 
-  engine::VarlenKArgs dw1;
-  dw1.num_experts = s.E;
-  dw1.M = 2 * s.n;
-  dw1.N = s.d;
-  dw1.rows = tk;
-  dw1.expert_offset = sv.expert_offset;
-  dw1.P = w.dH;
-  dw1.ld_p = 2 * s.n;
-  dw1.Q = a.x;
-  dw1.ld_q = s.d;
-  dw1.gather_q = sv.gather_idx;
-  dw1.D = a.dw1;
-  SMOE_RETURN_IF_ERROR(engine::varlen_k(dw1, sms, stream));
+  if (layer::dw1_path(s) == layer::DwPath::kEngine) {
+    engine::VarlenKArgs dw1;
+    dw1.num_experts = s.E;
+    dw1.M = 2 * s.n;
+    dw1.N = s.d;
+    dw1.rows = tk;
+    dw1.expert_offset = sv.expert_offset;
+    dw1.P = w.dH;
+    dw1.ld_p = 2 * s.n;
+    dw1.Q = a.x;
+    dw1.ld_q = s.d;
+    dw1.gather_q = sv.gather_idx;
+    dw1.D = a.dw1;
+    SMOE_RETURN_IF_ERROR(engine::varlen_k(dw1, sms, stream));
+  } else {
+    SMOE_RETURN_IF_ERROR(kernels::gather_rows(a.x, s.d, sv.gather_idx, tk, w.dXt, stream));
+    gemm::VarlenKArgs dw1;
+    dw1.num_experts = s.E;
+    dw1.M = 2 * s.n;
+    dw1.N = s.d;
+    dw1.expert_offset = sv.expert_offset;
+    dw1.P = w.dH;
+    dw1.Q = w.dXt;  // x gathered
+    dw1.D = a.dw1;
+    SMOE_RETURN_IF_ERROR(gemm::varlen_k_gemm(dw1, w.cutlass, w.cutlass_bytes, sms, stream));
+  }
   profile::mark("dW1", stream);
 
   engine::VarlenMArgs dxt;

@@ -1,5 +1,6 @@
 // The layer's shape rules and size queries (memory_plan.h has the layouts), and the profile hook.
 #include "common/check.h"
+#include "moe/layer_common.h"
 #include "moe/memory_plan.h"
 #include "moe/profile.h"
 #include "smoe/smoe.h"
@@ -39,7 +40,9 @@ size_t moe_forward_workspace_size(const MoEShape& s) {
 }
 size_t moe_backward_workspace_size(const MoEShape& s) {
   if (!moe_can_implement(s).ok()) return 0;
-  return plan::backward_ws(s, nullptr).total;
+  int sms = 0;
+  if (!layer::sm_count(&sms).ok()) return 0;  // no device to size the CUTLASS workspace for
+  return plan::backward_ws(s, nullptr, sms).total;
 }
 
 }  // namespace smoe

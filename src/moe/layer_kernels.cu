@@ -38,6 +38,20 @@ unsigned grid_for(int64_t n) {
   return static_cast<unsigned>(g < 1 ? 1 : g);
 }
 
+// dst[r] = src[idx[r]], 16 bytes per thread (for the CUTLASS weight-gradient path only).
+__global__ void gather_rows_kernel(const bf16* __restrict__ src, int64_t vec_per_row,
+                                   const int32_t* __restrict__ idx, int64_t rows,
+                                   bf16* __restrict__ dst) {
+  const uint4* s = reinterpret_cast<const uint4*>(src);
+  uint4* o = reinterpret_cast<uint4*>(dst);
+  const int64_t total = rows * vec_per_row;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = i / vec_per_row, c = i - r * vec_per_row;
+    o[i] = __ldg(s + static_cast<int64_t>(idx[r]) * vec_per_row + c);
+  }
+}
+
 // O[t][c..c+8) = sum_k s[t,k] * Y[rev[t*K+k]][c..c+8), fp32 in k order.
 __global__ void aggregate_kernel(const bf16* __restrict__ Y, const float* __restrict__ scores,
                                  const int32_t* __restrict__ rev, int K, int64_t vec_per_row,
@@ -134,6 +148,15 @@ __global__ void f32_to_bf16_kernel(const float* __restrict__ in, bf16* __restric
 }
 
 }  // namespace
+
+Status gather_rows(const bf16* src, int d, const int32_t* idx, int64_t rows, bf16* dst,
+                   cudaStream_t stream) {
+  if (rows == 0) return Status{};
+  const int64_t vpr = d / 8;
+  gather_rows_kernel<<<grid_for(rows * vpr), kThreads, 0, stream>>>(src, vpr, idx, rows, dst);
+  SMOE_CHECK_LAUNCH("gather_rows_kernel");
+  return Status{};
+}
 
 Status aggregate(const bf16* Y, const float* scores, const int32_t* rev, int K, int d, int64_t T,
                  bf16* out, cudaStream_t stream) {

@@ -10,6 +10,8 @@
 namespace smoe {
 namespace kernels {
 
+// dst[r] = src[idx[r]] for r < rows; rows of d bf16 (d % 8 == 0). Only the CUTLASS dW path uses it.
+Status gather_rows(const bf16* src, int d, const int32_t* idx, int64_t rows, bf16* dst, cudaStream_t stream);
 // out[t] = sum_k scores[t*K+k] * Y[rev[t*K+k]] (fp32 accumulate, k order).
 Status aggregate(const bf16* Y, const float* scores, const int32_t* rev, int K, int d, int64_t T,
                  bf16* out, cudaStream_t stream);

@@ -3,6 +3,7 @@
 
 #include "common/workspace.h"
 #include "engine/engine.h"
+#include "gemm/grouped_gemm.h"
 
 namespace smoe {
 namespace plan {
@@ -38,7 +39,7 @@ ForwardWs forward_ws(const MoEShape& s, void* base) {
   return w;
 }
 
-BackwardWs backward_ws(const MoEShape& s, void* base) {
+BackwardWs backward_ws(const MoEShape& s, void* base, int sm_count) {
   const size_t tk = static_cast<size_t>(s.T) * s.K;
   detail::Carver c(base);
   BackwardWs w;
@@ -51,6 +52,8 @@ BackwardWs backward_ws(const MoEShape& s, void* base) {
   w.dl = c.take<float>(tk);
   w.dlogits = c.take<bf16>(static_cast<size_t>(s.T) * s.E);
   w.dwr32 = c.take<float>(static_cast<size_t>(s.E) * s.d);
+  w.cutlass_bytes = gemm::varlen_k_workspace_size(s.E, sm_count);
+  w.cutlass = c.take<char>(w.cutlass_bytes);
   w.total = c.used();
   return w;
 }

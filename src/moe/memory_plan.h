@@ -36,15 +36,17 @@ struct BackwardWs {
   void* cublas;
   bf16* a_prime;    // A' = s * A [TK][n]
   bf16* dH;         // [TK][2n]
-  bf16* dXt;        // dX~ [TK][d]
+  bf16* dXt;        // dX~ [TK][d]; before dX~, the gathered dO / x of the CUTLASS dW path
   float* ds_partial;  // [TK][engine::ds_partial_tiles(n)]
   float* dS;        // [TK] by flat (token, k)
   float* dl;        // [TK]
   bf16* dlogits;    // [T][E]
   float* dwr32;     // [E][d]
+  void* cutlass;    // the CUTLASS varlen-K workspace (dW path, see dw_path.h)
+  size_t cutlass_bytes;
   size_t total;
 };
-BackwardWs backward_ws(const MoEShape& s, void* base);
+BackwardWs backward_ws(const MoEShape& s, void* base, int sm_count);
 
 }  // namespace plan
 }  // namespace smoe

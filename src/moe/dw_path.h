@@ -1,0 +1,47 @@
+// Which kernel computes each weight gradient (dW1, dW2): the engine's varlen-K with the gather
+// fused into its loads, or CUTLASS's ptr-array varlen-K on rows gathered first (v1's path).
+//
+// Measured on the H200 (bench_layer, every public config, engine at 3fdbba6 vs v1 at 96f0d1a,
+// gather included; bench/results/h200/kernels_engine.md):
+//   dW2 (reduction over rows, N = n): the engine wins for n <= 512 (1.4B 0.30 vs 0.48 ms, 30B n256
+//     2.9 vs 4.4, Qwen3-Next 2.3 vs 2.4), ties at n = 1024 and loses above (Qwen3 8.2 vs 7.1,
+//     DeepSeek 23.2 vs 17.3): its gather saves 2*T*K*d*2 bytes, which matters most when K*d/n
+//     is large.
+//   dW1 (M = 2n, N = d): CUTLASS + gather wins everywhere but the smallest shapes (1.4B 0.62 vs
+//     0.68): OLMoE 5.4 vs 4.1, DeepSeek 52.7 vs 31.0. The engine's varlen-K has no epilogue /
+//     mainloop overlap yet and writes the transposed tile with 2-byte stores.
+// SMOE_DW_PATH=engine or =cutlass forces one path for both (comparisons, tests).
+#pragma once
+
+#include <cstdlib>
+#include <cstring>
+
+#include "smoe/smoe.h"
+
+namespace smoe {
+namespace layer {
+
+enum class DwPath { kEngine, kCutlass };
+
+inline DwPath forced_dw_path(bool* forced) {
+  const char* v = std::getenv("SMOE_DW_PATH");
+  *forced = v != nullptr && (std::strcmp(v, "engine") == 0 || std::strcmp(v, "cutlass") == 0);
+  return *forced && std::strcmp(v, "engine") == 0 ? DwPath::kEngine : DwPath::kCutlass;
+}
+
+inline DwPath dw2_path(const MoEShape& s) {
+  bool forced = false;
+  const DwPath f = forced_dw_path(&forced);
+  if (forced) return f;
+  return s.n <= 512 ? DwPath::kEngine : DwPath::kCutlass;
+}
+
+inline DwPath dw1_path(const MoEShape& s) {
+  bool forced = false;
+  const DwPath f = forced_dw_path(&forced);
+  if (forced) return f;
+  return s.n <= 256 && s.d <= 1024 ? DwPath::kEngine : DwPath::kCutlass;
+}
+
+}  // namespace layer
+}  // namespace smoe
