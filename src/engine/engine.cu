@@ -88,7 +88,7 @@ Choice choose_varlen_k(const VarlenKArgs& a_in, int sm_count) {
   const int64_t tiles256 = static_cast<int64_t>(a.num_experts) * ((a.M + 127) / 128) * (a.N / 256);
   const int forced = forced_bn("SMOE_ENGINE_BN_K");
   const bool wide = a.N % 256 == 0 && (forced ? forced == 256 : wide_tiles_fill(tiles256, sm_count));
-  if (a.gather_p) return wide ? Choice{256, "dw_gather_p<256>"} : Choice{128, "dw_gather_p<128>"};
+  if (a_in.gather_p) return wide ? Choice{256, "dw_gather_p<256>"} : Choice{128, "dw_gather_p<128>"};
   return wide ? Choice{256, "dw_gather_p_t<256>"} : Choice{128, "dw_gather_p_t<128>"};
 }
 

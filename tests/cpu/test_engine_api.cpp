@@ -1,0 +1,144 @@
+// The engine's host side without a GPU: every argument rule is checked before any CUDA call (so
+// these run on CI's CPU machine), the tile heuristic, and the layer's weight-gradient path choice.
+#include <cstdint>
+#include <cstdlib>
+#include <string>
+
+#include <gtest/gtest.h>
+
+#include "engine/engine.h"
+#include "moe/dw_path.h"
+
+namespace eng = smoe::engine;
+
+namespace {
+
+// Aligned, never dereferenced: every case below is rejected before anything would read them.
+template <typename T>
+T* fake(uintptr_t a) {
+  return reinterpret_cast<T*>(a);
+}
+
+eng::VarlenMArgs good_m() {
+  eng::VarlenMArgs a;
+  a.num_experts = 8;
+  a.N = 256;
+  a.K = 128;
+  a.rows = 1000;
+  a.expert_offset = fake<const int32_t>(0x10000);
+  a.A = fake<const smoe::bf16>(0x20000);
+  a.a_rows = 1000;
+  a.B = fake<const smoe::bf16>(0x30000);
+  a.D = fake<smoe::bf16>(0x40000);
+  return a;
+}
+
+void expect_rejected(const smoe::Status& s, const std::string& needle) {
+  EXPECT_EQ(s.code, smoe::StatusCode::kInvalidArgument) << s.message;
+  EXPECT_NE(s.message.find(needle), std::string::npos) << "message: " << s.message;
+}
+
+}  // namespace
+
+TEST(EngineApi, VarlenMRules) {
+  auto a = good_m();
+  a.N = 100;
+  expect_rejected(eng::varlen_m(a, 132, nullptr), "N = 100");
+  a = good_m();
+  a.K = 0;
+  expect_rejected(eng::varlen_m(a, 132, nullptr), "K = 0");
+  a = good_m();
+  a.num_experts = 513;
+  expect_rejected(eng::varlen_m(a, 132, nullptr), "num_experts = 513");
+  a = good_m();
+  a.rows = int64_t{1} << 31;
+  expect_rejected(eng::varlen_m(a, 132, nullptr), "rows");
+  a = good_m();
+  a.epilogue = eng::Epilogue::kSwiGLU;
+  a.N = 192;  // 2n with n = 96: not a multiple of 128
+  expect_rejected(eng::varlen_m(a, 132, nullptr), "SwiGLU");
+  a = good_m();
+  a.a_rows = 10;  // contiguous A must cover every grouped row
+  expect_rejected(eng::varlen_m(a, 132, nullptr), "a_rows");
+  a = good_m();
+  a.A = fake<const smoe::bf16>(0x20002);
+  EXPECT_EQ(eng::varlen_m(a, 132, nullptr).code, smoe::StatusCode::kMisalignedPointer);
+  a = good_m();
+  a.epilogue = eng::Epilogue::kDSwiGLU;  // needs H, dH, scores, scatter, ds_partial
+  a.D2 = fake<smoe::bf16>(0x50000);
+  expect_rejected(eng::varlen_m(a, 132, nullptr), "H is null");
+  a = good_m();
+  a.gather_idx = fake<const int32_t>(0x60000);  // gathered A only with the fused epilogues
+  expect_rejected(eng::varlen_m(a, 132, nullptr), "gather_idx");
+}
+
+TEST(EngineApi, ZeroRowsRunNothing) {
+  auto a = good_m();
+  a.rows = 0;
+  a.A = nullptr;  // not even looked at: nothing to compute
+  EXPECT_TRUE(eng::varlen_m(a, 132, nullptr).ok());
+}
+
+TEST(EngineApi, VarlenKRules) {
+  eng::VarlenKArgs k;
+  k.num_experts = 4;
+  k.M = 128;
+  k.N = 64;
+  k.rows = 100;
+  k.ld_p = 128;
+  k.ld_q = 64;
+  k.expert_offset = fake<const int32_t>(0x10000);
+  k.P = fake<const smoe::bf16>(0x20000);
+  k.Q = fake<const smoe::bf16>(0x30000);
+  k.D = fake<smoe::bf16>(0x40000);
+  expect_rejected(eng::varlen_k(k, 132, nullptr), "exactly one of gather_p / gather_q");
+  k.gather_p = fake<const int32_t>(0x50000);
+  k.gather_q = fake<const int32_t>(0x60000);
+  expect_rejected(eng::varlen_k(k, 132, nullptr), "exactly one of gather_p / gather_q");
+  k.gather_q = nullptr;
+  k.ld_p = 64;  // < M
+  expect_rejected(eng::varlen_k(k, 132, nullptr), "ld_p = 64");
+  k.ld_p = 128;
+  k.M = 96;
+  expect_rejected(eng::varlen_k(k, 132, nullptr), "M = 96");
+}
+
+TEST(EngineApi, TileHeuristic) {
+  auto a = good_m();
+  a.N = 512;
+  a.rows = 200000;  // 1562 x 2 wide tiles: > 2 waves of 132 SMs
+  EXPECT_EQ(eng::choose_varlen_m(a, 132).bn, 256);
+  a.rows = 4000;  // 31 x 2 wide tiles: too few, narrow tiles balance better
+  EXPECT_EQ(eng::choose_varlen_m(a, 132).bn, 128);
+  a.rows = 200000;
+  a.N = 640;  // not a multiple of 256
+  EXPECT_EQ(eng::choose_varlen_m(a, 132).bn, 128);
+  a.N = 512;
+  a.epilogue = eng::Epilogue::kDSwiGLU;  // always 128 (register budget of its epilogue)
+  EXPECT_EQ(eng::choose_varlen_m(a, 132).bn, 128);
+  // Q-gathered varlen-K runs transposed: the choice is made on the transposed shape.
+  eng::VarlenKArgs k;
+  k.num_experts = 64;
+  k.M = 2048;
+  k.N = 2048;
+  k.gather_q = fake<const int32_t>(0x60000);
+  EXPECT_STREQ(eng::choose_varlen_k(k, 132).name, "dw_gather_p_t<256>");
+  k.gather_q = nullptr;
+  k.gather_p = fake<const int32_t>(0x60000);
+  EXPECT_STREQ(eng::choose_varlen_k(k, 132).name, "dw_gather_p<256>");
+}
+
+TEST(EngineApi, WeightGradientPath) {
+  unsetenv("SMOE_DW_PATH");
+  using smoe::layer::DwPath;
+  smoe::MoEShape small{40960, 768, 256, 128, 8}, wide{32768, 7168, 2048, 256, 8};
+  EXPECT_EQ(smoe::layer::dw2_path(small), DwPath::kEngine);
+  EXPECT_EQ(smoe::layer::dw1_path(small), DwPath::kEngine);
+  EXPECT_EQ(smoe::layer::dw2_path(wide), DwPath::kCutlass);
+  EXPECT_EQ(smoe::layer::dw1_path(wide), DwPath::kCutlass);
+  setenv("SMOE_DW_PATH", "engine", 1);
+  EXPECT_EQ(smoe::layer::dw1_path(wide), DwPath::kEngine);
+  setenv("SMOE_DW_PATH", "cutlass", 1);
+  EXPECT_EQ(smoe::layer::dw2_path(small), DwPath::kCutlass);
+  unsetenv("SMOE_DW_PATH");
+}
