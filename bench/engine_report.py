@@ -1,0 +1,54 @@
+"""Engine results against the per-config cuBLAS bound, layer v1 and SonicMoE (markdown table).
+
+Usage: python3 bench/engine_report.py --ours bench/results/h200/engine_ours.json \
+           --v1 bench/results/h200/layer.json --sonic bench/results/h200/side_by_side.json \
+           --bound bench/cublas_bound.json > bench/results/h200/engine_vs_bound.md
+v1 and SonicMoE come from their own JSON files (other processes, same GPU model): the ratios
+against them carry that run-to-run spread (about 5% seen between machines in this session).
+"""
+import argparse
+import json
+
+
+def systems_by_config(path, system):
+    d = json.load(open(path))
+    out = {}
+    for r in d["results"]:
+        s = r.get("systems", {}).get(system) if "systems" in r else r
+        if s and "total_tflops" in s:
+            out[r["config"]["name"]] = s
+    return out, d.get("commit", "?")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ours", required=True)
+    ap.add_argument("--v1", required=True)
+    ap.add_argument("--sonic", required=True)
+    ap.add_argument("--bound", required=True)
+    a = ap.parse_args()
+    ours, oc = systems_by_config(a.ours, "ours")
+    v1, vc = systems_by_config(a.v1, "ours")
+    sonic, sc = systems_by_config(a.sonic, "sonicmoe")
+    bound = json.load(open(a.bound))["bound"]
+    print(f"Engine at {oc} vs layer v1 at {vc} and SonicMoE (side_by_side at {sc}); NVIDIA H200; "
+          "TFLOP/s with 6TKdn fwd, 12TKdn bwd; % = of the per-config cuBLAS bound.\n")
+    print("| config | fwd TF (% bound) | bwd TF (% bound) | total TF | v1 total | SonicMoE total | vs v1 | vs SonicMoE |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, o in ours.items():
+        bf, bb = bound.get(name, (None, None))
+        pf = f" ({100 * o['fwd_tflops'] / bf:.0f}%)" if bf else ""
+        pb = f" ({100 * o['bwd_tflops'] / bb:.0f}%)" if bb else ""
+        t = o["total_tflops"]
+        v = v1.get(name, {}).get("total_tflops")
+        s = sonic.get(name, {}).get("total_tflops")
+        print(f"| {name} | {o['fwd_tflops']:.0f}{pf} | {o['bwd_tflops']:.0f}{pb} | {t:.0f} | "
+              f"{v:.0f} | " if v else f"| {name} | {o['fwd_tflops']:.0f}{pf} | {o['bwd_tflops']:.0f}{pb} | {t:.0f} | n/a | ",
+              end="")
+        print(f"{s:.0f} | " if s else "n/a | ", end="")
+        print(f"{t / v:.2f}x | " if v else "n/a | ", end="")
+        print(f"{t / s:.2f}x |" if s else "n/a |")
+
+
+if __name__ == "__main__":
+    main()
