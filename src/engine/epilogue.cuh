@@ -53,23 +53,28 @@ constexpr int acc_col_groups() {
   return decltype(size(Accum{}))::value / 4;
 }
 
-// Epilogues without per-row inputs prefetch nothing.
+// Epilogues without per-row inputs prefetch nothing: they derive from this (CRTP), which adapts
+// their apply(p, acc, cd, t) to the kernel's prefetch / apply(..., pre) protocol.
 struct NoPrefetch {};
+template <class Derived>
+struct WithoutPrefetch {
+  template <class Params, class Accum, class Coords>
+  __device__ static NoPrefetch prefetch(const Params&, const Accum&, const Coords&, const TileCtx&) {
+    return {};
+  }
+  template <class Params, class Accum, class Coords>
+  __device__ static void apply(const Params& p, const Accum& acc, const Coords& cd, const TileCtx& t,
+                               NoPrefetch) {
+    Derived::apply(p, acc, cd, t);
+  }
+};
 
-struct EpiStore {
+struct EpiStore : WithoutPrefetch<EpiStore> {
+  using WithoutPrefetch<EpiStore>::apply;
   struct Params {
     bf16* D;
     int64_t ld;
   };
-  template <class Accum, class Coords>
-  __device__ static NoPrefetch prefetch(const Params&, const Accum&, const Coords&, const TileCtx&) {
-    return {};
-  }
-  template <class Accum, class Coords>
-  __device__ static void apply(const Params& p, const Accum& acc, const Coords& cd, const TileCtx& t,
-                               NoPrefetch) {
-    apply(p, acc, cd, t);
-  }
   template <class Accum, class Coords>
   __device__ static void apply(const Params& p, const Accum& acc, const Coords& cd, const TileCtx& t) {
     const AccPos pos(cd);
@@ -91,19 +96,15 @@ struct EpiStore {
 // [E][N][M]; tile row0 = e * M + m0 (as for EpiStore). Used when the gathered operand is the
 // output's column dimension (dW1 = dH^T x[gather]): computing its transpose keeps the gathered
 // operand the narrow (128-row) one. 2-byte stores, once per tile after a full-length reduction.
-struct EpiStoreT {
+struct EpiStoreT : WithoutPrefetch<EpiStoreT> {
+  using WithoutPrefetch<EpiStoreT>::apply;
   struct Params {
     bf16* D;
     int64_t M;  // the kernel's M: the stored matrix's row length
     int64_t N;
   };
   template <class Accum, class Coords>
-  __device__ static NoPrefetch prefetch(const Params&, const Accum&, const Coords&, const TileCtx&) {
-    return {};
-  }
-  template <class Accum, class Coords>
-  __device__ static void apply(const Params& p, const Accum& acc, const Coords& cd, const TileCtx& t,
-                               NoPrefetch) {
+  __device__ static void apply(const Params& p, const Accum& acc, const Coords& cd, const TileCtx& t) {
     const AccPos pos(cd);
     const int64_t e = t.row0 / p.M, m0 = t.row0 - e * p.M;
     bf16* base = p.D + e * p.M * p.N + static_cast<int64_t>(t.col0 + pos.n0) * p.M + m0 + pos.m0;
@@ -121,21 +122,13 @@ struct EpiStoreT {
   }
 };
 
-struct EpiSwiGLU {
+struct EpiSwiGLU : WithoutPrefetch<EpiSwiGLU> {
+  using WithoutPrefetch<EpiSwiGLU>::apply;
   struct Params {
     bf16* H;     // [rows][N]   N = 2n
     bf16* A;     // [rows][N/2]
     int64_t ld;  // N
   };
-  template <class Accum, class Coords>
-  __device__ static NoPrefetch prefetch(const Params&, const Accum&, const Coords&, const TileCtx&) {
-    return {};
-  }
-  template <class Accum, class Coords>
-  __device__ static void apply(const Params& p, const Accum& acc, const Coords& cd, const TileCtx& t,
-                               NoPrefetch) {
-    apply(p, acc, cd, t);
-  }
   template <class Accum, class Coords>
   __device__ static void apply(const Params& p, const Accum& acc, const Coords& cd, const TileCtx& t) {
     const AccPos pos(cd);

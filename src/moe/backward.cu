@@ -24,18 +24,12 @@ namespace smoe {
 Status moe_backward(const MoEBackwardArgs& a, cudaStream_t stream) {
   const char* fn = "moe_backward";
   const MoEShape& s = a.shape;
-  SMOE_RETURN_IF_ERROR(moe_can_implement(s));
-  SMOE_RETURN_IF_ERROR(detail::check_ptr(a.x, fn, "x", 16));
-  SMOE_RETURN_IF_ERROR(detail::check_ptr(a.weights.w_router, fn, "weights.w_router", 16));
-  SMOE_RETURN_IF_ERROR(detail::check_ptr(a.weights.w1, fn, "weights.w1", 16));
-  SMOE_RETURN_IF_ERROR(detail::check_ptr(a.weights.w2, fn, "weights.w2", 16));
+  SMOE_RETURN_IF_ERROR(layer::check_common(fn, s, a.x, a.weights, a.saved, a.saved_bytes));
   SMOE_RETURN_IF_ERROR(detail::check_ptr(a.dout, fn, "dout", 16));
   SMOE_RETURN_IF_ERROR(detail::check_ptr(a.dx, fn, "dx", 16));
   SMOE_RETURN_IF_ERROR(detail::check_ptr(a.dw_router, fn, "dw_router", 16));
   SMOE_RETURN_IF_ERROR(detail::check_ptr(a.dw1, fn, "dw1", 16));
   SMOE_RETURN_IF_ERROR(detail::check_ptr(a.dw2, fn, "dw2", 16));
-  SMOE_RETURN_IF_ERROR(layer::check_buffer(a.saved, a.saved_bytes, moe_saved_state_size(s), fn, "saved",
-                                           "saved_bytes", "moe_saved_state_size"));
   int sms = 0;
   SMOE_RETURN_IF_ERROR(layer::sm_count(&sms));
   const plan::BackwardWs w = plan::backward_ws(s, a.workspace, sms);

@@ -17,15 +17,9 @@ namespace smoe {
 Status moe_forward(const MoEForwardArgs& a, cudaStream_t stream) {
   const char* fn = "moe_forward";
   const MoEShape& s = a.shape;
-  SMOE_RETURN_IF_ERROR(moe_can_implement(s));
-  SMOE_RETURN_IF_ERROR(detail::check_ptr(a.x, fn, "x", 16));
-  SMOE_RETURN_IF_ERROR(detail::check_ptr(a.weights.w_router, fn, "weights.w_router", 16));
-  SMOE_RETURN_IF_ERROR(detail::check_ptr(a.weights.w1, fn, "weights.w1", 16));
-  SMOE_RETURN_IF_ERROR(detail::check_ptr(a.weights.w2, fn, "weights.w2", 16));
+  SMOE_RETURN_IF_ERROR(layer::check_common(fn, s, a.x, a.weights, a.saved, a.saved_bytes));
   SMOE_RETURN_IF_ERROR(detail::check_ptr(a.out, fn, "out", 16));
   SMOE_RETURN_IF_ERROR(detail::check_ptr(a.status, fn, "status", 8));
-  SMOE_RETURN_IF_ERROR(layer::check_buffer(a.saved, a.saved_bytes, moe_saved_state_size(s), fn, "saved",
-                                           "saved_bytes", "moe_saved_state_size"));
   const plan::ForwardWs w = plan::forward_ws(s, a.workspace);
   SMOE_RETURN_IF_ERROR(layer::check_buffer(a.workspace, a.workspace_bytes, w.total, fn, "workspace",
                                            "workspace_bytes", "moe_forward_workspace_size"));

@@ -19,6 +19,18 @@ inline Status check_buffer(const void* p, size_t have, size_t need, const char* 
   return Status{};
 }
 
+// The rules forward and backward share: the shape, x, the weights and the saved state.
+inline Status check_common(const char* fn, const MoEShape& s, const bf16* x, const MoEWeights& w,
+                           const void* saved, size_t saved_bytes) {
+  SMOE_RETURN_IF_ERROR(moe_can_implement(s));
+  SMOE_RETURN_IF_ERROR(detail::check_ptr(x, fn, "x", 16));
+  SMOE_RETURN_IF_ERROR(detail::check_ptr(w.w_router, fn, "weights.w_router", 16));
+  SMOE_RETURN_IF_ERROR(detail::check_ptr(w.w1, fn, "weights.w1", 16));
+  SMOE_RETURN_IF_ERROR(detail::check_ptr(w.w2, fn, "weights.w2", 16));
+  return check_buffer(saved, saved_bytes, moe_saved_state_size(s), fn, "saved", "saved_bytes",
+                      "moe_saved_state_size");
+}
+
 // SMs of the current device: the persistent GEMMs' grid.
 inline Status sm_count(int* out) {
   int dev = 0;
