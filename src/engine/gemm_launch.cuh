@@ -1,5 +1,5 @@
 // Maps the host argument structs (engine.h) to one kernel instantiation: epilogue parameters,
-// device Params, persistent grid. Included only by the src/engine/inst_*.cu files.
+// device Params, persistent grid. Included only by the generated instance files (instance.cu.in).
 #pragma once
 
 #include "engine/engine.h"
@@ -58,6 +58,50 @@ Status run_varlen_k(const VarlenKArgs& a, int sm_count, cudaStream_t stream, con
   const int grid = static_cast<int>(tiles < sm_count ? tiles : sm_count);
   return launch<K>(p, grid, stream, name);
 }
+
+// The engine's instantiations, one per (kind, BN): each generated src/engine/instance.cu.in file
+// (CMakeLists.txt) defines inst::<kind><BN> as Instance<Kind::<kind>, BN>::run.
+enum class Kind { up_swiglu, down_store, dx_store, da_dswiglu, dw_gather_p, dw_gather_p_t };
+template <Kind, int BN>
+struct Instance;
+template <int BN>
+struct Instance<Kind::up_swiglu, BN> {  // gathered x, W1 K-major, SwiGLU epilogue
+  static Status run(const VarlenMArgs& a, int sms, cudaStream_t s, const char* name) {
+    return run_varlen_m<VarlenMConfig<BN, GMMA::Major::K>, ALoad::kGather, EpiSwiGLU>(a, sms, s, name);
+  }
+};
+template <int BN>
+struct Instance<Kind::down_store, BN> {  // A by TMA, W2 K-major
+  static Status run(const VarlenMArgs& a, int sms, cudaStream_t s, const char* name) {
+    return run_varlen_m<VarlenMConfig<BN, GMMA::Major::K>, ALoad::kTma, EpiStore>(a, sms, s, name);
+  }
+};
+template <int BN>
+struct Instance<Kind::dx_store, BN> {  // dH by TMA, W1 MN-major
+  static Status run(const VarlenMArgs& a, int sms, cudaStream_t s, const char* name) {
+    return run_varlen_m<VarlenMConfig<BN, GMMA::Major::MN>, ALoad::kTma, EpiStore>(a, sms, s, name);
+  }
+};
+template <int BN>
+struct Instance<Kind::da_dswiglu, BN> {  // gathered dO, W2 MN-major, dSwiGLU + dS epilogue
+  static Status run(const VarlenMArgs& a, int sms, cudaStream_t s, const char* name) {
+    return run_varlen_m<VarlenMConfig<BN, GMMA::Major::MN>, ALoad::kGather, EpiDSwiGLU>(a, sms, s, name);
+  }
+};
+template <int BN>
+using VarlenKConfig = TileConfig<BN, BN == 256 ? 4 : 6, GMMA::Major::MN, GMMA::Major::MN>;
+template <int BN>
+struct Instance<Kind::dw_gather_p, BN> {  // P gathered, Q by TMA, D [E][M][N]
+  static Status run(const VarlenKArgs& a, int sms, cudaStream_t s, const char* name) {
+    return run_varlen_k<VarlenKConfig<BN>, EpiStore>(a, sms, s, name);
+  }
+};
+template <int BN>
+struct Instance<Kind::dw_gather_p_t, BN> {  // P gathered, Q by TMA, D stored transposed
+  static Status run(const VarlenKArgs& a, int sms, cudaStream_t s, const char* name) {
+    return run_varlen_k<VarlenKConfig<BN>, EpiStoreT>(a, sms, s, name);
+  }
+};
 
 }  // namespace engine
 }  // namespace smoe
