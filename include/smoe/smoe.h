@@ -153,7 +153,10 @@ struct MoEWeights {
 // What forward keeps for backward lives in one caller buffer of saved_state_size(shape) bytes:
 // H [TK][2n] bf16 (pre-activation), scores, topk experts and the routing metadata: about
 // 4*T*K*n + O(T*K) bytes. Nothing of size O(T*K*d) is kept; x is the caller's own tensor.
-// The size queries return 0 for a shape moe_can_implement rejects.
+// The size queries return 0 for a shape moe_can_implement rejects. The backward workspace holds
+// per-SM descriptors of the CUTLASS weight-gradient GEMM (used for wide experts), so its size is
+// that of the CURRENT device: query it with the device the call will run on current; it returns
+// 0 when no device can be queried.
 size_t moe_saved_state_size(const MoEShape& shape);
 size_t moe_forward_workspace_size(const MoEShape& shape);
 size_t moe_backward_workspace_size(const MoEShape& shape);
