@@ -14,7 +14,10 @@
 //   dX~       A = dH,          B = W1 [E][2n][d] kKN, epilogue Store   -> dX~
 // varlen-K   D_e[m][c] = sum over rows r of e: P[srcP(r)][m] * Q[srcQ(r)][c]   (D: [E][M][N])
 //   dW2: P = dO gathered (M = d), Q = A' (N = n);  dW1: P = dH (M = 2n), Q = x gathered (N = d).
-//   An expert without rows gets D_e = 0.
+//   Exactly one operand is gathered (cp.async); the other is loaded by TMA. A Q-gathered call runs
+//   as its transpose (the gathered operand on the kernel's 128-wide side, D stored transposed).
+//   An expert without rows gets D_e = 0. (The layer uses CUTLASS instead for wide experts:
+//   src/moe/dw_path.h.)
 #pragma once
 
 #include <cstddef>
@@ -84,7 +87,7 @@ Choice choose_varlen_m(const VarlenMArgs& a, int sm_count);
 Choice choose_varlen_k(const VarlenKArgs& a, int sm_count);
 
 namespace inst {
-// One kernel configuration per .cu (src/engine/inst_*.cu).
+// One kernel configuration per generated .cu (CMakeLists.txt from src/engine/instance.cu.in).
 template <int BN> Status up_swiglu(const VarlenMArgs& a, int sm_count, cudaStream_t s);
 template <int BN> Status down_store(const VarlenMArgs& a, int sm_count, cudaStream_t s);
 template <int BN> Status da_dswiglu(const VarlenMArgs& a, int sm_count, cudaStream_t s);
