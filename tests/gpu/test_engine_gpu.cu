@@ -5,7 +5,9 @@
 // rows = 0. Every output is poisoned (bf16 / fp32 NaN) before the call, followed by a guard region
 // that must stay poisoned (no write past the end); every call runs twice and must be bitwise
 // identical.
+#include <algorithm>
 #include <cmath>
+#include <memory>
 #include <cstring>
 #include <numeric>
 #include <random>
@@ -387,4 +389,90 @@ TEST(GpuEngine, BadArgumentsRejected) {
   s = eng::varlen_k(k, sms(), 0);  // neither operand gathered
   EXPECT_FALSE(s.ok());
   EXPECT_NE(s.message.find("exactly one of gather_p / gather_q"), std::string::npos) << s.message;
+}
+
+// The reference twins themselves, against float64 on the host: every element of a small gathered
+// varlen-M (both weight majors) and a small varlen-K with each operand gathered.
+TEST(GpuEngine, TwinAgainstHost) {
+  smoe_test::Rng rng;
+  SCOPED_TRACE(testing::Message() << "seed " << rng.seed);
+  auto& g = rng.gen;
+  Groups gr({3, 0, 70, 1, 33});
+  const int E = gr.E(), N = 64, K = 128;
+  const int64_t rows = gr.rows, a_rows = 40;
+  const auto hA = random_bf16(a_rows * K, 1.0, g), hB = random_bf16(static_cast<size_t>(E) * N * K, 1.0, g);
+  std::vector<int32_t> gidx(rows);
+  std::uniform_int_distribution<int> pick(0, static_cast<int>(a_rows) - 1);
+  for (auto& x : gidx) x = pick(g);
+  std::unique_ptr<DeviceBuffer<bf16>> A(upload(hA)), B(upload(hB));
+  std::unique_ptr<DeviceBuffer<int32_t>> G(upload(gidx));
+  auto f = [](bf16 v) { return static_cast<double>(__bfloat162float(v)); };
+  for (eng::WeightMajor major : {eng::WeightMajor::kNK, eng::WeightMajor::kKN}) {
+    eng::VarlenMArgs a;
+    a.num_experts = E;
+    a.N = N;
+    a.K = K;
+    a.rows = rows;
+    a.expert_offset = gr.d_off.get();
+    a.A = A->get();
+    a.a_rows = a_rows;
+    a.gather_idx = G->get();
+    a.B = B->get();
+    a.b_major = major;
+    DeviceBuffer<float> D(static_cast<size_t>(rows) * N);
+    smoe_test::varlen_m_ref(a, D.get(), 0);
+    CUDA_OK(cudaDeviceSynchronize());
+    const auto got = D.download();
+    double worst = 0;
+    for (int e = 0; e < E; ++e)
+      for (int64_t r = gr.off[e]; r < gr.off[e + 1]; ++r)
+        for (int c = 0; c < N; ++c) {
+          double want = 0, mag = 0;
+          for (int k = 0; k < K; ++k) {
+            const double b = major == eng::WeightMajor::kNK ? f(hB[(static_cast<size_t>(e) * N + c) * K + k])
+                                                            : f(hB[(static_cast<size_t>(e) * K + k) * N + c]);
+            want += f(hA[static_cast<size_t>(gidx[r]) * K + k]) * b;
+            mag += std::fabs(f(hA[static_cast<size_t>(gidx[r]) * K + k]) * b);
+          }
+          worst = std::max(worst, std::fabs(got[r * N + c] - want) / (mag + 1e-30));
+        }
+    EXPECT_LT(worst, 1e-5) << "varlen_m_ref, major " << static_cast<int>(major);
+  }
+  for (bool gather_p : {true, false}) {
+    const int M = 64, NN = 64;
+    const auto hP = random_bf16(static_cast<size_t>(std::max<int64_t>(rows, a_rows)) * M, 1.0, g);
+    const auto hQ = random_bf16(static_cast<size_t>(std::max<int64_t>(rows, a_rows)) * NN, 1.0, g);
+    std::unique_ptr<DeviceBuffer<bf16>> P(upload(hP)), Q(upload(hQ));
+    eng::VarlenKArgs k;
+    k.num_experts = E;
+    k.M = M;
+    k.N = NN;
+    k.rows = rows;
+    k.expert_offset = gr.d_off.get();
+    k.P = P->get();
+    k.ld_p = M;
+    k.gather_p = gather_p ? G->get() : nullptr;
+    k.Q = Q->get();
+    k.ld_q = NN;
+    k.gather_q = gather_p ? nullptr : G->get();
+    DeviceBuffer<float> D(static_cast<size_t>(E) * M * NN);
+    smoe_test::varlen_k_ref(k, D.get(), 0);
+    CUDA_OK(cudaDeviceSynchronize());
+    const auto got = D.download();
+    double worst = 0;
+    for (int e = 0; e < E; ++e)
+      for (int m = 0; m < M; ++m)
+        for (int c = 0; c < NN; ++c) {
+          double want = 0, mag = 0;
+          for (int64_t r = gr.off[e]; r < gr.off[e + 1]; ++r) {
+            const int64_t sp = gather_p ? gidx[r] : r, sq = gather_p ? r : gidx[r];
+            const double v = f(hP[sp * M + m]) * f(hQ[sq * NN + c]);
+            want += v;
+            mag += std::fabs(v);
+          }
+          const double err = std::fabs(got[(static_cast<size_t>(e) * M + m) * NN + c] - want);
+          worst = std::max(worst, mag > 0 ? err / mag : err);
+        }
+    EXPECT_LT(worst, 1e-5) << "varlen_k_ref, gather_p " << gather_p;
+  }
 }
