@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <cstdio>
+#include <initializer_list>
 #include <string>
 #include <type_traits>
 
@@ -36,6 +37,17 @@ std::string concat(const Args&... args) {
   std::string s;
   (append(s, args), ...);
   return s;
+}
+
+// Checked arithmetic: the one helper every size rule and size query uses. Returns false (and
+// leaves *out unspecified) when the product of the factors overflows int64 or exceeds `limit`.
+inline bool checked_product(std::initializer_list<int64_t> factors, int64_t limit, int64_t* out) {
+  int64_t p = 1;
+  for (int64_t f : factors) {
+    if (f < 0 || __builtin_mul_overflow(p, f, &p)) return false;
+  }
+  *out = p;
+  return p <= limit;
 }
 
 // Workspace carving rounds every region up to kWorkspaceAlignment (256) bytes.

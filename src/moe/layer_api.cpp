@@ -26,6 +26,23 @@ Status moe_can_implement(const MoEShape& s) {
     return make_status(StatusCode::kInvalidArgument, concat(fn, ": d = ", s.d, " must be a positive multiple of 64"));
   if (s.n <= 0 || s.n % 64 != 0)
     return make_status(StatusCode::kInvalidArgument, concat(fn, ": n = ", s.n, " must be a positive multiple of 64"));
+  // Every buffer the size queries add up must be far from overflowing: each product below 2^56
+  // bytes (64 PiB), so a sum of a few dozen never wraps.
+  constexpr int64_t kMaxBytes = int64_t{1} << 56;
+  int64_t bytes = 0;
+  const int64_t tk = s.T * s.K;  // <= 2^31-1: routing_can_implement checked it without overflow
+  const int64_t wide = 2 * static_cast<int64_t>(s.n) > s.d ? 2 * static_cast<int64_t>(s.n) : s.d;
+  if (!detail::checked_product({tk, wide, 4}, kMaxBytes, &bytes))
+    return make_status(StatusCode::kInvalidArgument,
+                       concat(fn, ": T*K * max(2n, d) = ", tk, " * ", wide,
+                              " is too large (per-row buffers would exceed 2^56 bytes)"));
+  if (!detail::checked_product({s.E, 2 * static_cast<int64_t>(s.n), s.d, 4}, kMaxBytes, &bytes))
+    return make_status(StatusCode::kInvalidArgument,
+                       concat(fn, ": E * 2n * d = ", s.E, " * ", 2 * static_cast<int64_t>(s.n), " * ", s.d,
+                              " is too large (weights would exceed 2^56 bytes)"));
+  if (!detail::checked_product({s.T, s.E, 4}, kMaxBytes, &bytes))
+    return make_status(StatusCode::kInvalidArgument,
+                       concat(fn, ": T * E = ", s.T, " * ", s.E, " is too large (router logits)"));
   return Status{};
 }
 

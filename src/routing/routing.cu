@@ -214,9 +214,10 @@ Status routing_can_implement(const RoutingProblem& p) {
   if (p.num_tokens < 0)
     return make_status(StatusCode::kInvalidArgument,
                        concat(fn, ": num_tokens (T) = ", p.num_tokens, " must be >= 0"));
-  if (p.num_tokens * static_cast<int64_t>(p.top_k) > INT32_MAX)
+  int64_t tk = 0;
+  if (!detail::checked_product({p.num_tokens, p.top_k}, INT32_MAX, &tk))
     return make_status(StatusCode::kInvalidArgument,
-                       concat(fn, ": num_tokens * top_k (T*K) = ", p.num_tokens * p.top_k,
+                       concat(fn, ": num_tokens * top_k (T*K) with T = ", p.num_tokens, ", K = ", p.top_k,
                               " must be <= 2^31-1 (routed rows are int32 indices)"));
   if (p.logits_dtype != DType::kFloat32 && p.logits_dtype != DType::kBFloat16)
     return make_status(StatusCode::kInvalidArgument,

@@ -107,6 +107,34 @@ TEST(LayerValidation, ShapeRules) {
   EXPECT_LE(saved, plan + 64.0 * s.T * s.K + 1e5);
 }
 
+// Products that overflow 64 bits must not wrap into a small, accepted value (T = 2^62 + 16 with
+// K = 4 wrapped to T*K = 64 before the checked arithmetic), and the size queries must say 0.
+TEST(LayerValidation, OverflowingProductsRejected) {
+  smoe::RoutingProblem rp{(int64_t{1} << 62) + 16, 8, 4, smoe::DType::kFloat32};
+  smoe::Status st = smoe::routing_can_implement(rp);
+  EXPECT_EQ(st.code, smoe::StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message.find("T*K"), std::string::npos) << st.message;
+  EXPECT_EQ(smoe::routing_workspace_size(rp), 0u);
+
+  smoe::MoEShape s{(int64_t{1} << 62) + 16, 64, 64, 8, 4};
+  st = smoe::moe_can_implement(s);
+  EXPECT_EQ(st.code, smoe::StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message.find("T*K"), std::string::npos) << st.message;
+  EXPECT_EQ(smoe::moe_saved_state_size(s), 0u);
+  EXPECT_EQ(smoe::moe_forward_workspace_size(s), 0u);
+  EXPECT_EQ(smoe::moe_backward_workspace_size(s), 0u);
+
+  // T*K fits int32, but T*K rows of width max(2n, d) do not fit the byte limit.
+  smoe::MoEShape wide{1 << 20, 64, 1 << 30, 16, 16};
+  st = smoe::moe_can_implement(wide);
+  EXPECT_EQ(st.code, smoe::StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message.find("max(2n, d)"), std::string::npos) << st.message;
+  EXPECT_EQ(smoe::moe_saved_state_size(wide), 0u);
+
+  // A legitimate large shape (DeepSeek-V3.2, T = 32768) passes.
+  EXPECT_TRUE(smoe::moe_can_implement(smoe::MoEShape{32768, 7168, 2048, 256, 8}).ok());
+}
+
 TEST(StatusNames, AllCodesNamed) {
   EXPECT_STREQ(smoe::status_code_name(smoe::StatusCode::kOk), "ok");
   EXPECT_STREQ(smoe::status_code_name(smoe::StatusCode::kMisalignedPointer), "misaligned pointer");
