@@ -195,6 +195,8 @@ struct MoEBackwardArgs {
   const bf16* dout = nullptr;  // [T][d]
   const void* saved = nullptr; // written by moe_forward
   size_t saved_bytes = 0;
+  // Gradients are OVERWRITTEN, never accumulated: a caller summing micro-batches adds them
+  // itself (or passes scratch buffers and adds). An expert that received no token gets zeros.
   bf16* dx = nullptr;          // [T][d]
   bf16* dw_router = nullptr;   // [E][d]
   bf16* dw1 = nullptr;         // [E][2n][d]

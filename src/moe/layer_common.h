@@ -31,10 +31,17 @@ inline Status check_common(const char* fn, const MoEShape& s, const bf16* x, con
                       "moe_saved_state_size");
 }
 
-// SMs of the current device: the persistent GEMMs' grid.
+// SMs of the current device (the persistent GEMMs' grid); fails unless it is a Hopper (sm_90)
+// GPU, the only target the kernels are built for (a launch elsewhere would fail less clearly).
 inline Status sm_count(int* out) {
-  int dev = 0;
+  int dev = 0, major = 0, minor = 0;
   SMOE_CUDA_RETURN(cudaGetDevice(&dev));
+  SMOE_CUDA_RETURN(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  SMOE_CUDA_RETURN(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+  if (major != 9)
+    return detail::make_status(StatusCode::kNotImplemented,
+                               detail::concat("moe: device ", dev, " is sm_", major, minor,
+                                              "; this build targets Hopper (sm_90a) only"));
   SMOE_CUDA_RETURN(cudaDeviceGetAttribute(out, cudaDevAttrMultiProcessorCount, dev));
   return Status{};
 }
