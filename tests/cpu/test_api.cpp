@@ -139,3 +139,98 @@ TEST(StatusNames, AllCodesNamed) {
   EXPECT_STREQ(smoe::status_code_name(smoe::StatusCode::kOk), "ok");
   EXPECT_STREQ(smoe::status_code_name(smoe::StatusCode::kMisalignedPointer), "misaligned pointer");
 }
+
+// Every pointer and size argument of moe_forward / moe_backward against its rule, on the CPU: each
+// case must be rejected with its own code and argument name BEFORE any CUDA call (a call that got
+// as far as the device would report kCudaError here, where there is none).
+namespace {
+smoe::MoEForwardArgs good_forward(const smoe::MoEShape& s) {
+  smoe::MoEForwardArgs a;
+  a.shape = s;
+  a.x = fake<const smoe::bf16>(0x100000);
+  a.weights.w_router = fake<const smoe::bf16>(0x200000);
+  a.weights.w1 = fake<const smoe::bf16>(0x300000);
+  a.weights.w2 = fake<const smoe::bf16>(0x400000);
+  a.out = fake<smoe::bf16>(0x500000);
+  a.saved = fake<void>(0x600000);
+  a.saved_bytes = smoe::moe_saved_state_size(s);
+  a.workspace = fake<void>(0x700000);
+  a.workspace_bytes = smoe::moe_forward_workspace_size(s);
+  a.status = fake<smoe::DeviceStatus>(0x800000);
+  return a;
+}
+smoe::MoEBackwardArgs good_backward(const smoe::MoEShape& s) {
+  smoe::MoEBackwardArgs a;
+  a.shape = s;
+  a.x = fake<const smoe::bf16>(0x100000);
+  a.weights.w_router = fake<const smoe::bf16>(0x200000);
+  a.weights.w1 = fake<const smoe::bf16>(0x300000);
+  a.weights.w2 = fake<const smoe::bf16>(0x400000);
+  a.dout = fake<const smoe::bf16>(0x500000);
+  a.saved = fake<const void>(0x600000);
+  a.saved_bytes = smoe::moe_saved_state_size(s);
+  a.dx = fake<smoe::bf16>(0x900000);
+  a.dw_router = fake<smoe::bf16>(0xa00000);
+  a.dw1 = fake<smoe::bf16>(0xb00000);
+  a.dw2 = fake<smoe::bf16>(0xc00000);
+  a.workspace = fake<void>(0x700000);
+  a.workspace_bytes = 1 << 30;
+  return a;
+}
+}  // namespace
+
+TEST(LayerValidation, ForwardArgumentsRejectedBeforeAnyCudaCall) {
+  const smoe::MoEShape s{1000, 512, 256, 16, 4};
+  using C = smoe::StatusCode;
+  struct Case {
+    const char* name;
+    void (*mutate)(smoe::MoEForwardArgs*);
+    C code;
+  };
+  const Case cases[] = {
+      {"d = 96", [](smoe::MoEForwardArgs* a) { a->shape.d = 96; }, C::kInvalidArgument},
+      {"x is null", [](smoe::MoEForwardArgs* a) { a->x = nullptr; }, C::kInvalidArgument},
+      {"x = ", [](smoe::MoEForwardArgs* a) { a->x = fake<const smoe::bf16>(0x100002); }, C::kMisalignedPointer},
+      {"weights.w_router is null", [](smoe::MoEForwardArgs* a) { a->weights.w_router = nullptr; }, C::kInvalidArgument},
+      {"weights.w1 = ", [](smoe::MoEForwardArgs* a) { a->weights.w1 = fake<const smoe::bf16>(0x300008); }, C::kMisalignedPointer},
+      {"weights.w2 is null", [](smoe::MoEForwardArgs* a) { a->weights.w2 = nullptr; }, C::kInvalidArgument},
+      {"saved is null", [](smoe::MoEForwardArgs* a) { a->saved = nullptr; }, C::kInvalidArgument},
+      {"saved_bytes", [](smoe::MoEForwardArgs* a) { a->saved_bytes -= 1; }, C::kWorkspaceTooSmall},
+      {"out is null", [](smoe::MoEForwardArgs* a) { a->out = nullptr; }, C::kInvalidArgument},
+      {"status is null", [](smoe::MoEForwardArgs* a) { a->status = nullptr; }, C::kInvalidArgument},
+      {"workspace = ", [](smoe::MoEForwardArgs* a) { a->workspace = fake<void>(0x700080); }, C::kMisalignedPointer},
+      {"workspace_bytes", [](smoe::MoEForwardArgs* a) { a->workspace_bytes -= 1; }, C::kWorkspaceTooSmall},
+  };
+  for (const Case& c : cases) {
+    smoe::MoEForwardArgs a = good_forward(s);
+    c.mutate(&a);
+    expect_error(smoe::moe_forward(a, nullptr), c.code, c.name);
+  }
+}
+
+TEST(LayerValidation, BackwardArgumentsRejectedBeforeAnyCudaCall) {
+  const smoe::MoEShape s{1000, 512, 256, 16, 4};
+  using C = smoe::StatusCode;
+  struct Case {
+    const char* name;
+    void (*mutate)(smoe::MoEBackwardArgs*);
+    C code;
+  };
+  const Case cases[] = {
+      {"n = 100", [](smoe::MoEBackwardArgs* a) { a->shape.n = 100; }, C::kInvalidArgument},
+      {"x is null", [](smoe::MoEBackwardArgs* a) { a->x = nullptr; }, C::kInvalidArgument},
+      {"weights.w1 is null", [](smoe::MoEBackwardArgs* a) { a->weights.w1 = nullptr; }, C::kInvalidArgument},
+      {"saved_bytes", [](smoe::MoEBackwardArgs* a) { a->saved_bytes = 64; }, C::kWorkspaceTooSmall},
+      {"dout is null", [](smoe::MoEBackwardArgs* a) { a->dout = nullptr; }, C::kInvalidArgument},
+      {"dout = ", [](smoe::MoEBackwardArgs* a) { a->dout = fake<const smoe::bf16>(0x500004); }, C::kMisalignedPointer},
+      {"dx is null", [](smoe::MoEBackwardArgs* a) { a->dx = nullptr; }, C::kInvalidArgument},
+      {"dw_router is null", [](smoe::MoEBackwardArgs* a) { a->dw_router = nullptr; }, C::kInvalidArgument},
+      {"dw1 = ", [](smoe::MoEBackwardArgs* a) { a->dw1 = fake<smoe::bf16>(0xb00002); }, C::kMisalignedPointer},
+      {"dw2 is null", [](smoe::MoEBackwardArgs* a) { a->dw2 = nullptr; }, C::kInvalidArgument},
+  };
+  for (const Case& c : cases) {
+    smoe::MoEBackwardArgs a = good_backward(s);
+    c.mutate(&a);
+    expect_error(smoe::moe_backward(a, nullptr), c.code, c.name);
+  }
+}
