@@ -156,7 +156,7 @@ struct MoEWeights {
 // The size queries return 0 for a shape moe_can_implement rejects. The backward workspace holds
 // per-SM descriptors of the CUTLASS weight-gradient GEMM (used for wide experts), so its size is
 // that of the CURRENT device: query it with the device the call will run on current; it returns
-// 0 when no device can be queried.
+// 0 when no device can be queried or it is not a Hopper (sm_90) GPU.
 size_t moe_saved_state_size(const MoEShape& shape);
 size_t moe_forward_workspace_size(const MoEShape& shape);
 size_t moe_backward_workspace_size(const MoEShape& shape);

@@ -100,10 +100,19 @@ Status varlen_m(const VarlenMArgs& a, int sm_count, cudaStream_t stream) {
   SMOE_RETURN_IF_ERROR(check_extent(fn, "K", a.K));
   if (a.rows < 0 || a.rows > kMaxRows) return rule(fn, "rows", a.rows, "must be in [0, 2^31)");
   if (a.a_rows < 0 || a.a_rows > kMaxRows) return rule(fn, "a_rows", a.a_rows, "must be in [0, 2^31)");
-  if (static_cast<int64_t>(a.num_experts) * (a.b_major == WeightMajor::kNK ? a.N : a.K) > kMaxRows)
-    return rule(fn, "num_experts * weight rows", int64_t{a.num_experts} * a.N, "must be < 2^31 (TMA coordinates)");
+  const int64_t weight_rows = int64_t{a.num_experts} * (a.b_major == WeightMajor::kNK ? a.N : a.K);
+  if (weight_rows > kMaxRows)
+    return rule(fn, "num_experts * weight rows", weight_rows, "must be < 2^31 (TMA coordinates)");
   if (a.epilogue == Epilogue::kSwiGLU && a.N % 128 != 0)
     return rule(fn, "N", a.N, "must be a multiple of 128 for the SwiGLU epilogue (2n, n % 64 == 0)");
+  // The instantiations: SwiGLU / dSwiGLU gather A (by cp.async), the plain store loads it by TMA.
+  const bool gathered_epilogue = a.epilogue != Epilogue::kStore;
+  if (gathered_epilogue != (a.gather_idx != nullptr))
+    return detail::make_status(
+        StatusCode::kInvalidArgument,
+        detail::concat(fn, ": gather_idx must be ", gathered_epilogue ? "non-null" : "null",
+                       " with the ", gathered_epilogue ? "SwiGLU / dSwiGLU" : "store",
+                       " epilogue (gathered A is fused only into those)"));
   if (a.rows == 0) return Status{};
   if (a.gather_idx == nullptr && a.a_rows < a.rows)
     return rule(fn, "a_rows", a.a_rows, "must be >= rows when A is not gathered");
@@ -111,7 +120,7 @@ Status varlen_m(const VarlenMArgs& a, int sm_count, cudaStream_t stream) {
   SMOE_RETURN_IF_ERROR(detail::check_ptr(a.expert_offset, fn, "expert_offset", 4));
   SMOE_RETURN_IF_ERROR(detail::check_ptr(a.A, fn, "A", 16));
   SMOE_RETURN_IF_ERROR(detail::check_ptr(a.B, fn, "B", 16));
-  if (a.gather_idx) SMOE_RETURN_IF_ERROR(detail::check_ptr(a.gather_idx, fn, "gather_idx", 4));
+  if (gathered_epilogue) SMOE_RETURN_IF_ERROR(detail::check_ptr(a.gather_idx, fn, "gather_idx", 4));
   switch (a.epilogue) {
     case Epilogue::kStore:
       SMOE_RETURN_IF_ERROR(detail::check_ptr(a.D, fn, "D", 16));
@@ -136,8 +145,6 @@ Status varlen_m(const VarlenMArgs& a, int sm_count, cudaStream_t stream) {
   if (a.epilogue == Epilogue::kDSwiGLU) return inst::da_dswiglu<128>(a, sm_count, stream);
   if (a.epilogue == Epilogue::kSwiGLU)
     return c.bn == 256 ? inst::up_swiglu<256>(a, sm_count, stream) : inst::up_swiglu<128>(a, sm_count, stream);
-  if (a.gather_idx != nullptr)
-    return rule(fn, "gather_idx", 1, "(non-null) is only supported with the SwiGLU / dSwiGLU epilogues");
   if (a.b_major == WeightMajor::kNK)
     return c.bn == 256 ? inst::down_store<256>(a, sm_count, stream) : inst::down_store<128>(a, sm_count, stream);
   return c.bn == 256 ? inst::dx_store<256>(a, sm_count, stream) : inst::dx_store<128>(a, sm_count, stream);

@@ -1,7 +1,7 @@
 // The engine's two kernels, each a thin composition of a producer (mainloop load), the consumer
 // MMA loop, an epilogue and a tile scheduler; host Arguments become device Params in make_params.
 //   VarlenMKernel<Cfg, ALoad, Epi>: rows grouped by expert (up-proj, down-proj, dA', dX~)
-//   VarlenKKernel<Cfg>:            reduction over an expert's rows (dW1, dW2)
+//   VarlenKKernel<Cfg, Epi>:       reduction over an expert's rows (dW1, dW2)
 // Both persistent (grid <= SM count), 384 threads: warpgroup 0 produces with few registers,
 // warpgroups 1-2 consume with many (setmaxnreg).
 #pragma once
@@ -171,45 +171,39 @@ struct VarlenMKernel {
 // P gathered (cp.async), Q contiguous (TMA); Epi = EpiStore (D [E][M][N]) or EpiStoreT (D [E][N][M]).
 template <class Cfg, class Epi_>
 struct VarlenKKernel {
-  static constexpr bool kTmaOnA = false;
-  using Producer = ProducerVarlenK<Cfg, kTmaOnA>;
+  using Producer = ProducerVarlenK<Cfg>;
   using Consumer = ConsumerMma<Cfg, true>;
   using Epi = Epi_;
-  using Body = KernelBody<Cfg, Producer, Consumer, Epi, ZeroTail<Cfg, kTmaOnA>, 72, 216>;
+  using Body = KernelBody<Cfg, Producer, Consumer, Epi, ZeroTail<Cfg>, 72, 216>;
   using Storage = typename Body::Storage;
 
   using GmemMN = Layout<Shape<int, int>, Stride<_1, int64_t>>;  // (columns, rows), columns contiguous
-  using SmemC = std::conditional_t<kTmaOnA, typename Cfg::SmemLayoutA, typename Cfg::SmemLayoutB>;
   static auto tma_for(const Bf16* ptr, GmemMN gl) {
-    return make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(ptr), gl), SmemC{}(_, _, Int<0>{}));
+    return make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(ptr), gl),
+                         typename Cfg::SmemLayoutB{}(_, _, Int<0>{}));
   }
-  using TmaC = decltype(tma_for(nullptr, GmemMN{}));
+  using TmaQ = decltype(tma_for(nullptr, GmemMN{}));
 
   struct Params {
     int E, M, N;
     int m_tiles, n_tiles;
     const int32_t* expert_offset;
-    const Bf16* P;
+    const Bf16* P;  // gathered through gather_p
     int64_t ld_p;
     const int32_t* gather_p;
-    const Bf16* Q;
-    int64_t ld_q;
-    const int32_t* gather_q;
-    int c_cols, c_rows;  // the contiguous operand's tensor map: (M or N, grouped rows)
-    TmaC tma_c;
+    int q_rows;     // rows of Q's tensor map (N columns, the grouped rows)
+    TmaQ tma_q;
     typename Epi::Params epi;
   };
 
-  static void make_tma(Params& p, int64_t rows) {
-    p.c_cols = kTmaOnA ? p.M : p.N;
-    p.c_rows = static_cast<int>(rows > 0 ? rows : 1);  // no tile loads when there are no rows
-    p.tma_c = tma_for(kTmaOnA ? p.P : p.Q,
-                      make_layout(make_shape(p.c_cols, p.c_rows), make_stride(_1{}, kTmaOnA ? p.ld_p : p.ld_q)));
+  static void make_tma(Params& p, const Bf16* Q, int64_t ld_q, int64_t rows) {
+    p.q_rows = static_cast<int>(rows > 0 ? rows : 1);  // no tile loads when there are no rows
+    p.tma_q = tma_for(Q, make_layout(make_shape(p.N, p.q_rows), make_stride(_1{}, ld_q)));
   }
 
   __device__ static void run(const Params& p, Storage& s) {
     Body::init_barriers(s);
-    if (threadIdx.x == 0) cute::prefetch_tma_descriptor(p.tma_c.get_tma_descriptor());
+    if (threadIdx.x == 0) cute::prefetch_tma_descriptor(p.tma_q.get_tma_descriptor());
     __syncthreads();
     const VarlenKScheduler sched{p.expert_offset, p.E, p.m_tiles, p.n_tiles};
     Body::roles(p, s, sched, [&](const WorkTile& w, int& kt, int& tail) {
@@ -228,9 +222,10 @@ template <class Traits>
 Status launch(const typename Traits::Params& p, int grid, cudaStream_t stream, const char* name) {
   constexpr int smem = static_cast<int>(sizeof(typename Traits::Storage));
   static_assert(smem <= kSmemLimit, "shared storage exceeds the sm_90 limit");
-  static const cudaError_t attr = cudaFuncSetAttribute(
-      engine_kernel<Traits>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  SMOE_RETURN_IF_ERROR(::smoe::detail::cuda_status(attr, name));
+  // Set on every call, not once per process: the attribute belongs to the kernel in the CURRENT
+  // device's context, and a caller may run on several GPUs. A host-side call of about a microsecond.
+  SMOE_RETURN_IF_ERROR(::smoe::detail::cuda_status(
+      cudaFuncSetAttribute(engine_kernel<Traits>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem), name));
   if (grid <= 0) return Status{};
   engine_kernel<Traits><<<grid, kThreads, smem, stream>>>(p);
   return ::smoe::detail::cuda_status(cudaGetLastError(), name);

@@ -21,8 +21,7 @@ using VarlenMConfig = TileConfig<BN, BN == 256 ? 4 : 6, GMMA::Major::K, kMajorB>
 
 template <class Cfg, ALoad kALoad, class Epi>
 Status run_varlen_m(const VarlenMArgs& a, int sm_count, cudaStream_t stream, const char* name) {
-  using K = VarlenMKernel<Cfg, kALoad, Epi>;
-  if (a.rows == 0) return launch<K>(typename K::Params{}, 0, stream, name);
+  using K = VarlenMKernel<Cfg, kALoad, Epi>;  // varlen_m (engine.cu) returned already if rows == 0
   const int n_tiles = (a.N + Cfg::BN - 1) / Cfg::BN;
   const auto p = K::make_params(a.num_experts, a.N, a.K, a.A, static_cast<int>(a.a_rows), a.gather_idx,
                                 a.B, a.expert_offset, epi_params(static_cast<Epi*>(nullptr), a, n_tiles));
@@ -49,11 +48,8 @@ Status run_varlen_k(const VarlenKArgs& a, int sm_count, cudaStream_t stream, con
   p.P = reinterpret_cast<const Bf16*>(a.P);
   p.ld_p = a.ld_p;
   p.gather_p = a.gather_p;
-  p.Q = reinterpret_cast<const Bf16*>(a.Q);
-  p.ld_q = a.ld_q;
-  p.gather_q = a.gather_q;
   p.epi = epi_params_k(static_cast<Epi*>(nullptr), a);
-  K::make_tma(p, a.rows);
+  K::make_tma(p, reinterpret_cast<const Bf16*>(a.Q), a.ld_q, a.rows);
   const int64_t tiles = static_cast<int64_t>(a.num_experts) * p.m_tiles * p.n_tiles;
   const int grid = static_cast<int>(tiles < sm_count ? tiles : sm_count);
   return launch<K>(p, grid, stream, name);

@@ -3,7 +3,7 @@
 //
 //   D_e(m, n) = sum over rows r of expert e:  P[src_P(r)][m0 + m] * Q[src_Q(r)][n0 + n]
 //
-// One operand is gathered (src(r) = gather_idx[r]: dO for dW2, x for dW1), the other is the
+// P is gathered (src(r) = gather_idx[r]: dO for dW2, x for dW1 computed transposed), Q is the
 // grouped rows themselves (A' for dW2, dH for dW1). Both are MN-major in shared memory (64
 // contiguous m or n values per k = row).
 //   * contiguous operand: TMA, one tensor map over all grouped rows; in an expert's last, partial
@@ -79,12 +79,12 @@ struct GatherRowLoader {
   }
 };
 
-// kTmaOnA: P (operand A) is the contiguous one (dW1: P = dH); else Q (operand B) is (dW2: Q = A').
-template <class Cfg, bool kTmaOnA>
+// P (operand A, the 128-wide side) gathered by cp.async, Q (operand B) contiguous by TMA. A call
+// with Q gathered runs as its transpose (engine.cu), so this is the only arrangement needed.
+template <class Cfg>
 struct ProducerVarlenK {
   static constexpr int BM = Cfg::BM, BN = Cfg::BN, BK = Cfg::BK, kStages = Cfg::kStages;
   static constexpr uint32_t kFullArrivals = 1 + kProducerThreads;
-  static constexpr uint32_t kTxBytes = kTmaOnA ? Cfg::kBytesA : Cfg::kBytesB;
   static_assert(Cfg::kMajorA == GMMA::Major::MN && Cfg::kMajorB == GMMA::Major::MN, "varlen-K: MN-major");
 
   template <class Params, class Storage, class Sched>
@@ -92,19 +92,9 @@ struct ProducerVarlenK {
     const int tid = threadIdx.x;
     Tensor sA = make_tensor(make_smem_ptr(s.A.data()), typename Cfg::SmemLayoutA{});
     Tensor sB = make_tensor(make_smem_ptr(s.B.data()), typename Cfg::SmemLayoutB{});
-    Tensor mC = p.tma_c.get_tma_tensor(make_shape(p.c_cols, p.c_rows));
-    auto sC = [&] {
-      if constexpr (kTmaOnA) return sA;
-      else return sB;
-    }();
-    constexpr int BG = kTmaOnA ? BN : BM;  // the gathered operand's width
-    GatherRowLoader<BG, BK> lg;
-    if constexpr (kTmaOnA) lg.init(sB, tid); else lg.init(sA, tid);
-    const Bf16* g_base = kTmaOnA ? p.Q : p.P;
-    const int64_t g_ld = kTmaOnA ? p.ld_q : p.ld_p;
-    const int32_t* g_idx = kTmaOnA ? p.gather_q : p.gather_p;
-    const int g_cols = kTmaOnA ? p.N : p.M;
-    constexpr uint32_t kGBytes = kTmaOnA ? Cfg::kBytesB : Cfg::kBytesA;
+    Tensor mQ = p.tma_q.get_tma_tensor(make_shape(p.N, p.q_rows));
+    GatherRowLoader<BM, BK> lg;
+    lg.init(sA, tid);
 
     PipeState ps;
     const int total = sched.total_tiles();
@@ -112,21 +102,20 @@ struct ProducerVarlenK {
       const WorkTile w = sched.get(t);
       const int k_tiles = (w.rows + BK - 1) / BK;
       const int m0 = w.m_tile * BM, n0 = w.n_tile * BN;
-      const int g_col0 = kTmaOnA ? n0 : m0;
-      if (k_tiles > 0) lg.fetch_rows(g_base, g_ld, g_idx, w.row0, w.rows, 0, g_col0, g_cols);
+      if (k_tiles > 0) lg.fetch_rows(p.P, p.ld_p, p.gather_p, w.row0, w.rows, 0, m0, p.M);
       for (int k = 0; k < k_tiles; ++k) {
         cutlass::arch::ClusterBarrier::wait(&s.empty[ps.stage], ps.phase ^ 1u);
         if (tid == 0) {
-          cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&s.full[ps.stage], kTxBytes);
-          Tensor gC = local_tile(domain_offset(make_coord(kTmaOnA ? m0 : n0, w.row0), mC),
-                                 make_shape(Int<kTmaOnA ? BM : BN>{}, Int<BK>{}), make_coord(0, _));
-          auto [tCg, tCs] = tma_partition(p.tma_c, Int<0>{}, Layout<_1>{},
-                                          group_modes<0, 2>(sC), group_modes<0, 2>(gC));
-          copy(p.tma_c.with(s.full[ps.stage]), tCg(_, k), tCs(_, ps.stage));
+          cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&s.full[ps.stage], Cfg::kBytesB);
+          Tensor gQ = local_tile(domain_offset(make_coord(n0, w.row0), mQ),
+                                 make_shape(Int<BN>{}, Int<BK>{}), make_coord(0, _));
+          auto [tQg, tQs] = tma_partition(p.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sB),
+                                          group_modes<0, 2>(gQ));
+          copy(p.tma_q.with(s.full[ps.stage]), tQg(_, k), tQs(_, ps.stage));
         }
-        lg.issue(g_base, ps.stage * kGBytes);
+        lg.issue(p.P, ps.stage * Cfg::kBytesA);
         cp_async_arrive_noinc(&s.full[ps.stage]);
-        if (k + 1 < k_tiles) lg.fetch_rows(g_base, g_ld, g_idx, w.row0, w.rows, k + 1, g_col0, g_cols);
+        if (k + 1 < k_tiles) lg.fetch_rows(p.P, p.ld_p, p.gather_p, w.row0, w.rows, k + 1, m0, p.M);
         ps.template advance<kStages>();
       }
     }
@@ -134,22 +123,18 @@ struct ProducerVarlenK {
 };
 
 // Consumer side of the tail: in an expert's last K-tile with valid < BK rows, rows [valid, BK) of
-// the TMA-loaded operand hold the next expert's values; the 256 consumer threads zero them, fence
-// them for the async proxy and meet at a named barrier before the MMA reads the stage.
-template <class Cfg, bool kTmaOnA>
+// the TMA-loaded operand (Q, operand B) hold the next expert's values; the 256 consumer threads
+// zero them, fence them for the async proxy and meet at a named barrier before the MMA reads them.
+template <class Cfg>
 struct ZeroTail {
   template <class Storage>
   __device__ static void apply(Storage& s, int stage, int valid, int ctid) {
-    constexpr int BX = kTmaOnA ? Cfg::BM : Cfg::BN;
-    constexpr int kChunks = BX / 8;
-    auto sX = [&] {
-      if constexpr (kTmaOnA) return make_tensor(make_smem_ptr(s.A.data()), typename Cfg::SmemLayoutA{});
-      else return make_tensor(make_smem_ptr(s.B.data()), typename Cfg::SmemLayoutB{});
-    }();
+    constexpr int kChunks = Cfg::BN / 8;
+    Tensor sB = make_tensor(make_smem_ptr(s.B.data()), typename Cfg::SmemLayoutB{});
     const int n = (Cfg::BK - valid) * kChunks;
     for (int i = ctid; i < n; i += kConsumerThreads) {
       const int row = valid + i / kChunks, chunk = i % kChunks;
-      *reinterpret_cast<uint4*>(&sX(chunk * 8, row, stage)) = make_uint4(0, 0, 0, 0);
+      *reinterpret_cast<uint4*>(&sB(chunk * 8, row, stage)) = make_uint4(0, 0, 0, 0);
     }
     fence_generic_to_async_smem();
     cutlass::arch::NamedBarrier::sync(kConsumerThreads, 1);

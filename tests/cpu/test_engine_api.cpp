@@ -65,11 +65,17 @@ TEST(EngineApi, VarlenMRules) {
   EXPECT_EQ(eng::varlen_m(a, 132, nullptr).code, smoe::StatusCode::kMisalignedPointer);
   a = good_m();
   a.epilogue = eng::Epilogue::kDSwiGLU;  // needs H, dH, scores, scatter, ds_partial
+  a.gather_idx = fake<const int32_t>(0x60000);
   a.D2 = fake<smoe::bf16>(0x50000);
   expect_rejected(eng::varlen_m(a, 132, nullptr), "H is null");
+  for (eng::Epilogue e : {eng::Epilogue::kSwiGLU, eng::Epilogue::kDSwiGLU}) {
+    a = good_m();
+    a.epilogue = e;  // the fused epilogues' kernels gather A: a null index list would be read
+    expect_rejected(eng::varlen_m(a, 132, nullptr), "gather_idx must be non-null");
+  }
   a = good_m();
   a.gather_idx = fake<const int32_t>(0x60000);  // gathered A only with the fused epilogues
-  expect_rejected(eng::varlen_m(a, 132, nullptr), "gather_idx");
+  expect_rejected(eng::varlen_m(a, 132, nullptr), "gather_idx must be null");
 }
 
 TEST(EngineApi, ZeroRowsRunNothing) {
