@@ -1,4 +1,4 @@
-// Consumer side of the mainloop: two warpgroups issue wgmma on the stages the producer filled,
+// Consumer side of the mainloop: the warpgroup(s) of a tile (two cooperative, one ping-pong) issue wgmma on the stages the producer filled,
 // one K-tile (4 wgmma of K = 16) per stage, one batch in flight while the next stage is awaited;
 // a stage is handed back (one arrival per consumer warp) once the wgmma that read it retired.
 #pragma once
@@ -12,7 +12,8 @@ namespace engine {
 template <class Cfg, bool kFenceProxy>
 struct ConsumerMma {
   static constexpr int kStages = Cfg::kStages;
-  static constexpr uint32_t kEmptyArrivals = kConsumerWarps;
+  // One arrival per warp that read the stage: both warpgroups (cooperative) or one (ping-pong).
+  static constexpr uint32_t kEmptyArrivals = Cfg::kMmaThreads / 32;
 
   // accum = sum over k_tiles >= 1 K-tiles.
   // Tail: called (all consumer threads) on the last K-tile when tail_valid > 0, before the MMA

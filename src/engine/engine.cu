@@ -12,6 +12,7 @@
 //     N % 256 == 0 and E * M/128 * N/256 still gives >= 2 waves, else 128.
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 
 #include "common/check.h"
 #include "engine/engine.h"
@@ -42,13 +43,34 @@ constexpr int64_t kMaxRows = (int64_t{1} << 31) - 1;
 
 bool wide_tiles_fill(int64_t tiles_at_256, int sm_count) { return tiles_at_256 >= 2 * sm_count; }
 
-// SMOE_ENGINE_BN_M / SMOE_ENGINE_BN_K = 128 or 256 force the column tile of the varlen-M /
-// varlen-K GEMMs (where the shape allows it): for tuning sweeps; unset, the heuristic decides.
+// SMOE_ENGINE_BN_M = 128 / 192 / 256, SMOE_ENGINE_BN_K = 128 / 256 and SMOE_ENGINE_SCHED = coop /
+// pingpong force the tile and schedule (where that instantiation exists; otherwise ignored): for
+// tuning sweeps and for tests that run every instantiation. Unset, the heuristic decides.
 int forced_bn(const char* var) {
   const char* v = std::getenv(var);
   if (v == nullptr) return 0;
   const int bn = std::atoi(v);
-  return bn == 128 || bn == 256 ? bn : 0;
+  return bn == 128 || bn == 192 || bn == 256 ? bn : 0;
+}
+enum class ForcedSched { kNone, kCoop, kPingPong };
+ForcedSched forced_sched() {
+  const char* v = std::getenv("SMOE_ENGINE_SCHED");
+  if (v == nullptr) return ForcedSched::kNone;
+  const std::string s(v);
+  if (s == "coop") return ForcedSched::kCoop;
+  if (s == "pingpong") return ForcedSched::kPingPong;
+  return ForcedSched::kNone;
+}
+
+// The instantiation's name, e.g. "down_store_pp<128>" (a static string per combination).
+const char* instance_name(Epilogue epi, WeightMajor major, bool pp, int bn) {
+  static const char* const names[4][2][3] = {
+      {{"up_swiglu<128>", "", "up_swiglu<256>"}, {"up_swiglu_pp<128>", "", ""}},
+      {{"da_dswiglu<128>", "", ""}, {"da_dswiglu_pp<128>", "", ""}},
+      {{"down_store<128>", "", "down_store<256>"}, {"down_store_pp<128>", "down_store_pp<192>", ""}},
+      {{"dx_store<128>", "", "dx_store<256>"}, {"dx_store_pp<128>", "dx_store_pp<192>", ""}}};
+  const int kind = epi == Epilogue::kSwiGLU ? 0 : epi == Epilogue::kDSwiGLU ? 1 : major == WeightMajor::kNK ? 2 : 3;
+  return names[kind][pp ? 1 : 0][bn == 128 ? 0 : bn == 192 ? 1 : 2];
 }
 
 }  // namespace
@@ -56,14 +78,27 @@ int forced_bn(const char* var) {
 int ds_partial_tiles(int N) { return (N + 127) / 128; }
 
 Choice choose_varlen_m(const VarlenMArgs& a, int sm_count) {
-  if (a.epilogue == Epilogue::kDSwiGLU) return {128, "da_dswiglu<128>"};
+  const bool store = a.epilogue == Epilogue::kStore;
   const int64_t tiles256 = (a.rows / 128) * (a.N / 256);
+  // Schedule: ping-pong where a tile's epilogue is long next to its mainloop: the store GEMMs
+  // with a short reduction (K <= kPingPongMaxK) and the fused epilogues, whose per-element work
+  // (SwiGLU: two stores; dSwiGLU: H loads, dH, A', dS) would otherwise idle the tensor cores.
+  // Cooperative on long-K stores, where 128 x 256 tiles (64 x 256 per warpgroup) halve the
+  // operand traffic per FLOP and the epilogue is short next to the mainloop.
+  bool pp = store ? a.K <= kPingPongMaxK : true;
+  const ForcedSched fs = forced_sched();
+  if (fs != ForcedSched::kNone) pp = fs == ForcedSched::kPingPong;
   const int forced = forced_bn("SMOE_ENGINE_BN_M");
-  const bool wide = a.N % 256 == 0 && (forced ? forced == 256 : wide_tiles_fill(tiles256, sm_count));
-  const int bn = wide ? 256 : 128;
-  if (a.epilogue == Epilogue::kSwiGLU) return {bn, wide ? "up_swiglu<256>" : "up_swiglu<128>"};
-  if (a.b_major == WeightMajor::kNK) return {bn, wide ? "down_store<256>" : "down_store<128>"};
-  return {bn, wide ? "dx_store<256>" : "dx_store<128>"};
+  int bn;
+  if (pp) {
+    bn = forced == 192 && store ? 192 : 128;  // 128 x 128 per warpgroup: 128 accumulator registers
+  } else if (a.epilogue == Epilogue::kDSwiGLU) {
+    bn = 128;  // 64 x 128 per warpgroup keeps its epilogue inside the register budget
+  } else {
+    const bool wide = a.N % 256 == 0 && (forced ? forced == 256 : wide_tiles_fill(tiles256, sm_count));
+    bn = wide ? 256 : 128;
+  }
+  return {bn, pp, instance_name(a.epilogue, a.b_major, pp, bn)};
 }
 
 // A gather_q call (Q gathered, P contiguous, D [E][M][N]) runs as its transpose: P' = Q gathered,
@@ -88,8 +123,8 @@ Choice choose_varlen_k(const VarlenKArgs& a_in, int sm_count) {
   const int64_t tiles256 = static_cast<int64_t>(a.num_experts) * ((a.M + 127) / 128) * (a.N / 256);
   const int forced = forced_bn("SMOE_ENGINE_BN_K");
   const bool wide = a.N % 256 == 0 && (forced ? forced == 256 : wide_tiles_fill(tiles256, sm_count));
-  if (a_in.gather_p) return wide ? Choice{256, "dw_gather_p<256>"} : Choice{128, "dw_gather_p<128>"};
-  return wide ? Choice{256, "dw_gather_p_t<256>"} : Choice{128, "dw_gather_p_t<128>"};
+  if (a_in.gather_p) return wide ? Choice{256, false, "dw_gather_p<256>"} : Choice{128, false, "dw_gather_p<128>"};
+  return wide ? Choice{256, false, "dw_gather_p_t<256>"} : Choice{128, false, "dw_gather_p_t<128>"};
 }
 
 Status varlen_m(const VarlenMArgs& a, int sm_count, cudaStream_t stream) {
@@ -142,11 +177,19 @@ Status varlen_m(const VarlenMArgs& a, int sm_count, cudaStream_t stream) {
   if (print_enabled())
     std::fprintf(stderr, "[smoe engine] varlen_m %s rows=%lld N=%d K=%d E=%d gather=%d grid<=%d\n", c.name,
                  static_cast<long long>(a.rows), a.N, a.K, a.num_experts, a.gather_idx != nullptr, sm_count);
-  if (a.epilogue == Epilogue::kDSwiGLU) return inst::da_dswiglu<128>(a, sm_count, stream);
-  if (a.epilogue == Epilogue::kSwiGLU)
+  if (a.epilogue == Epilogue::kDSwiGLU)
+    return c.pingpong ? inst::da_dswiglu_pp<128>(a, sm_count, stream) : inst::da_dswiglu<128>(a, sm_count, stream);
+  if (a.epilogue == Epilogue::kSwiGLU) {
+    if (c.pingpong) return inst::up_swiglu_pp<128>(a, sm_count, stream);
     return c.bn == 256 ? inst::up_swiglu<256>(a, sm_count, stream) : inst::up_swiglu<128>(a, sm_count, stream);
-  if (a.b_major == WeightMajor::kNK)
+  }
+  if (a.b_major == WeightMajor::kNK) {
+    if (c.pingpong)
+      return c.bn == 192 ? inst::down_store_pp<192>(a, sm_count, stream) : inst::down_store_pp<128>(a, sm_count, stream);
     return c.bn == 256 ? inst::down_store<256>(a, sm_count, stream) : inst::down_store<128>(a, sm_count, stream);
+  }
+  if (c.pingpong)
+    return c.bn == 192 ? inst::dx_store_pp<192>(a, sm_count, stream) : inst::dx_store_pp<128>(a, sm_count, stream);
   return c.bn == 256 ? inst::dx_store<256>(a, sm_count, stream) : inst::dx_store<128>(a, sm_count, stream);
 }
 

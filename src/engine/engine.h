@@ -81,8 +81,11 @@ Status varlen_k(const VarlenKArgs& a, int sm_count, cudaStream_t stream);
 // The tile chosen for a call (heuristic in engine.cu). SMOE_ENGINE_PRINT=1 prints it per call.
 struct Choice {
   int bn;
-  const char* name;
+  bool pingpong;     // schedule (tile_config.cuh): ping-pong or cooperative
+  const char* name;  // the instantiation, e.g. "down_store_pp<128>"
 };
+// Store GEMMs with K up to this run ping-pong by default (engine.cu).
+constexpr int kPingPongMaxK = 1024;
 Choice choose_varlen_m(const VarlenMArgs& a, int sm_count);
 Choice choose_varlen_k(const VarlenKArgs& a, int sm_count);
 
@@ -92,6 +95,11 @@ template <int BN> Status up_swiglu(const VarlenMArgs& a, int sm_count, cudaStrea
 template <int BN> Status down_store(const VarlenMArgs& a, int sm_count, cudaStream_t s);
 template <int BN> Status da_dswiglu(const VarlenMArgs& a, int sm_count, cudaStream_t s);
 template <int BN> Status dx_store(const VarlenMArgs& a, int sm_count, cudaStream_t s);
+// Ping-pong schedule of the same four (tile_config.cuh).
+template <int BN> Status up_swiglu_pp(const VarlenMArgs& a, int sm_count, cudaStream_t s);
+template <int BN> Status down_store_pp(const VarlenMArgs& a, int sm_count, cudaStream_t s);
+template <int BN> Status dx_store_pp(const VarlenMArgs& a, int sm_count, cudaStream_t s);
+template <int BN> Status da_dswiglu_pp(const VarlenMArgs& a, int sm_count, cudaStream_t s);
 template <int BN> Status dw_gather_p(const VarlenKArgs& a, int sm_count, cudaStream_t s);
 // P gathered, Q contiguous, D stored transposed ([E][N][M]).
 template <int BN> Status dw_gather_p_t(const VarlenKArgs& a, int sm_count, cudaStream_t s);

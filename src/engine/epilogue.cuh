@@ -50,11 +50,13 @@ struct AccPos {
 
 template <class Accum>
 constexpr int acc_col_groups() {
-  return decltype(size(Accum{}))::value / 4;
+  return decltype(size(std::declval<const Accum&>()))::value / 4;
 }
 
-// Epilogues without per-row inputs prefetch nothing: they derive from this (CRTP), which adapts
-// their apply(p, acc, cd, t) to the kernel's prefetch / apply(..., pre) protocol.
+// The kernel calls an epilogue in one of two ways: cooperative, pre = prefetch(...) before the
+// mainloop and apply(..., pre) after it; ping-pong, apply_streamed(...) (per 64-row half, inputs
+// loaded as they are used). Epilogues without per-row inputs derive from this (CRTP), which
+// adapts their apply(p, acc, cd, t) to both.
 struct NoPrefetch {};
 template <class Derived>
 struct WithoutPrefetch {
@@ -65,6 +67,10 @@ struct WithoutPrefetch {
   template <class Params, class Accum, class Coords>
   __device__ static void apply(const Params& p, const Accum& acc, const Coords& cd, const TileCtx& t,
                                NoPrefetch) {
+    Derived::apply(p, acc, cd, t);
+  }
+  template <class Params, class Accum, class Coords>
+  __device__ static void apply_streamed(const Params& p, const Accum& acc, const Coords& cd, const TileCtx& t) {
     Derived::apply(p, acc, cd, t);
   }
 };
@@ -162,77 +168,100 @@ struct EpiDSwiGLU {
     int n_tiles;
   };
 
-  // H values and scores of this thread's two rows, loaded before the tile's mainloop so their
-  // latency hides under the MMA (the epilogue would otherwise wait on each load in turn).
+  // H values and score of one of this thread's two rows.
+  template <int kGroups>
+  struct RowInputs {
+    uint2 h[kGroups];  // (g, u) of columns 8 j + n0, + 1: 8 bytes
+    float s;
+  };
   template <int kGroups>
   struct Prefetch {
-    uint2 h[2][kGroups];  // (g, u) of columns 8 j + n0, + 1: 8 bytes
-    float s[2];
+    RowInputs<kGroups> row[2];
   };
 
+  template <int G, class Coords>
+  __device__ static RowInputs<G> load_row(const Params& p, const Coords& cd, const TileCtx& t, int h) {
+    RowInputs<G> f;
+    const AccPos pos(cd);
+    f.s = 0.f;
+    if (!pos.row_ok(t, h)) return f;
+    const int64_t r = t.row0 + pos.m0 + 8 * h;
+    f.s = __ldg(p.scores + __ldg(p.scatter + r));
+    const uint2* hrow = reinterpret_cast<const uint2*>(p.H + r * 2 * p.ld + 2 * (t.col0 + pos.n0));
+    CUTE_UNROLL
+    for (int j = 0; j < G; ++j)
+      if (AccPos::col_ok(t, j)) f.h[j] = __ldg(hrow + 4 * j);
+    return f;
+  }
+
+  // Cooperative schedule: both rows' inputs loaded before the tile's mainloop so their latency
+  // hides under the MMA (the epilogue would otherwise wait on each load in turn).
   template <class Accum, class Coords>
   __device__ static auto prefetch(const Params& p, const Accum&, const Coords& cd, const TileCtx& t) {
     constexpr int G = acc_col_groups<Accum>();
     Prefetch<G> f;
-    const AccPos pos(cd);
     CUTE_UNROLL
-    for (int h = 0; h < 2; ++h) {
-      f.s[h] = 0.f;
-      if (!pos.row_ok(t, h)) continue;
-      const int64_t r = t.row0 + pos.m0 + 8 * h;
-      f.s[h] = __ldg(p.scores + __ldg(p.scatter + r));
-      const uint2* hrow = reinterpret_cast<const uint2*>(p.H + r * 2 * p.ld + 2 * (t.col0 + pos.n0));
-      CUTE_UNROLL
-      for (int j = 0; j < G; ++j)
-        if (AccPos::col_ok(t, j)) f.h[h][j] = __ldg(hrow + 4 * j);
-    }
+    for (int h = 0; h < 2; ++h) f.row[h] = load_row<G>(p, cd, t, h);
     return f;
   }
 
   template <class Accum, class Coords, class Pre>
   __device__ static void apply(const Params& p, const Accum& acc, const Coords& cd, const TileCtx& t,
                                const Pre& f) {
-    const AccPos pos(cd);
     CUTE_UNROLL
-    for (int h = 0; h < 2; ++h) {
-      float ds = 0.f;
-      if (pos.row_ok(t, h)) {
-        const int64_t r = t.row0 + pos.m0 + 8 * h;
-        const float s = f.s[h];
-        const int64_t j0 = t.col0 + pos.n0;
-        bf16* dhrow = p.dH + r * 2 * p.ld + 2 * j0;
-        bf16* aprow = p.A_prime + r * p.ld + j0;
+    for (int h = 0; h < 2; ++h) apply_row(p, acc, cd, t, h, f.row[h]);
+  }
+
+  // Ping-pong: a row's inputs loaded just before its use (the other warpgroup's mainloop hides
+  // the latency; holding both rows' next to a 128 x BN accumulator would spill).
+  template <class Accum, class Coords>
+  __device__ static void apply_streamed(const Params& p, const Accum& acc, const Coords& cd, const TileCtx& t) {
+    constexpr int G = acc_col_groups<Accum>();
+    CUTE_UNROLL
+    for (int h = 0; h < 2; ++h) apply_row(p, acc, cd, t, h, load_row<G>(p, cd, t, h));
+  }
+
+  template <class Accum, class Coords, class Row>
+  __device__ static void apply_row(const Params& p, const Accum& acc, const Coords& cd, const TileCtx& t, int h,
+                                   const Row& f) {
+    const AccPos pos(cd);
+    float ds = 0.f;
+    if (pos.row_ok(t, h)) {
+      const int64_t r = t.row0 + pos.m0 + 8 * h;
+      const float s = f.s;
+      const int64_t j0 = t.col0 + pos.n0;
+      bf16* dhrow = p.dH + r * 2 * p.ld + 2 * j0;
+      bf16* aprow = p.A_prime + r * p.ld + j0;
+      CUTE_UNROLL
+      for (int j = 0; j < acc_col_groups<Accum>(); ++j) {
+        if (!AccPos::col_ok(t, j)) continue;
+        union {
+          uint2 u;
+          __nv_bfloat162 h2[2];
+        } hv, dh;
+        hv.u = f.h[j];
+        float ap[2];
         CUTE_UNROLL
-        for (int j = 0; j < acc_col_groups<Accum>(); ++j) {
-          if (!AccPos::col_ok(t, j)) continue;
-          union {
-            uint2 u;
-            __nv_bfloat162 h2[2];
-          } hv, dh;
-          hv.u = f.h[h][j];
-          float ap[2];
-          CUTE_UNROLL
-          for (int q = 0; q < 2; ++q) {
-            const float2 gu = __bfloat1622float2(hv.h2[q]);
-            const float sig = 1.f / (1.f + __expf(-gu.x));
-            const float sl = gu.x * sig;
-            const float a = sl * gu.y;
-            const float da_prime = acc(4 * j + 2 * h + q);
-            ds += da_prime * a;
-            const float dA = s * da_prime;
-            dh.h2[q] = __floats2bfloat162_rn(dA * gu.y * (sig + sl * (1.f - sig)), dA * sl);
-            ap[q] = s * a;
-          }
-          *reinterpret_cast<uint2*>(dhrow + 16 * j) = dh.u;
-          *reinterpret_cast<__nv_bfloat162*>(aprow + 8 * j) = __floats2bfloat162_rn(ap[0], ap[1]);
+        for (int q = 0; q < 2; ++q) {
+          const float2 gu = __bfloat1622float2(hv.h2[q]);
+          const float sig = 1.f / (1.f + __expf(-gu.x));
+          const float sl = gu.x * sig;
+          const float a = sl * gu.y;
+          const float da_prime = acc(4 * j + 2 * h + q);
+          ds += da_prime * a;
+          const float dA = s * da_prime;
+          dh.h2[q] = __floats2bfloat162_rn(dA * gu.y * (sig + sl * (1.f - sig)), dA * sl);
+          ap[q] = s * a;
         }
+        *reinterpret_cast<uint2*>(dhrow + 16 * j) = dh.u;
+        *reinterpret_cast<__nv_bfloat162*>(aprow + 8 * j) = __floats2bfloat162_rn(ap[0], ap[1]);
       }
-      // The 4 lanes of a quad hold one row: fixed butterfly, lane 0 of the quad writes.
-      ds += __shfl_xor_sync(0xffffffffu, ds, 1);
-      ds += __shfl_xor_sync(0xffffffffu, ds, 2);
-      if ((threadIdx.x % 4) == 0 && pos.row_ok(t, h))
-        p.ds_partial[(t.row0 + pos.m0 + 8 * h) * p.n_tiles + t.n_tile] = ds;
     }
+    // The 4 lanes of a quad hold one row: fixed butterfly, lane 0 of the quad writes.
+    ds += __shfl_xor_sync(0xffffffffu, ds, 1);
+    ds += __shfl_xor_sync(0xffffffffu, ds, 2);
+    if ((threadIdx.x % 4) == 0 && pos.row_ok(t, h))
+      p.ds_partial[(t.row0 + pos.m0 + 8 * h) * p.n_tiles + t.n_tile] = ds;
   }
 };
 

@@ -3,7 +3,7 @@
 //   VarlenMKernel<Cfg, ALoad, Epi>: rows grouped by expert (up-proj, down-proj, dA', dX~)
 //   VarlenKKernel<Cfg, Epi>:       reduction over an expert's rows (dW1, dW2)
 // Both persistent (grid <= SM count), 384 threads: warpgroup 0 produces with few registers,
-// warpgroups 1-2 consume with many (setmaxnreg).
+// warpgroups 1-2 consume with many (setmaxnreg), cooperatively or ping-pong (tile_config.cuh).
 #pragma once
 
 #include "cute/tensor.hpp"
@@ -63,6 +63,14 @@ struct KernelBody {
 
   template <class Params, class Sched, class CtxFn>
   __device__ static void consume(const Params& p, Storage& s, const Sched& sched, CtxFn tile_ctx) {
+    if constexpr (Cfg::kPingPong)
+      consume_pingpong(p, s, sched, tile_ctx);
+    else
+      consume_cooperative(p, s, sched, tile_ctx);
+  }
+
+  template <class Params, class Sched, class CtxFn>
+  __device__ static void consume_cooperative(const Params& p, Storage& s, const Sched& sched, CtxFn tile_ctx) {
     const int ctid = threadIdx.x - kProducerThreads;
     typename Cfg::TiledMma tiled_mma;
     auto thr = tiled_mma.get_thread_slice(ctid);
@@ -80,6 +88,49 @@ struct KernelBody {
       const auto pre = Epi::prefetch(p.epi, accum, cd, ctx);  // per-row epilogue inputs, early
       Consumer::template run<Tail>(tiled_mma, tCrA, tCrB, accum, k_tiles, tail_valid, ps, s);
       Epi::apply(p.epi, accum, cd, ctx, pre);
+    }
+  }
+
+  // Ping-pong: the CTA's tiles t = blockIdx.x + j * gridDim.x in order; warpgroup w takes the j
+  // with j % 2 == w. The producer fills the stages in tile order, so before tile j a warpgroup
+  // skips the stages of tile j - 1 (the other's; its K-tile count comes from the same scheduler).
+  // Order barrier (named barriers kOrderBar + w, 256 threads: 128 arrive, 128 wait): warpgroup w
+  // waits for its turn before its mainloop and hands the turn over after it, so the MMAs of the
+  // two never interleave and each epilogue runs under the other's mainloop. Every wait has exactly
+  // one matching arrival: a hand-over happens only when the other warpgroup has a next tile.
+  static constexpr uint32_t kOrderBar = 2;  // 1: ZeroTail (varlen-K)
+
+  template <class Params, class Sched, class CtxFn>
+  __device__ static void consume_pingpong(const Params& p, Storage& s, const Sched& sched, CtxFn tile_ctx) {
+    const int ctid = threadIdx.x - kProducerThreads;
+    const int wg = __shfl_sync(0xffffffffu, ctid / 128, 0);
+    typename Cfg::TiledMma tiled_mma;
+    auto thr = tiled_mma.get_thread_slice(ctid % 128);
+    Tensor sA = make_tensor(make_smem_ptr(s.A.data()), typename Cfg::SmemLayoutA{});
+    Tensor sB = make_tensor(make_smem_ptr(s.B.data()), typename Cfg::SmemLayoutB{});
+    Tensor tCrA = thr.make_fragment_A(thr.partition_A(sA));
+    Tensor tCrB = thr.make_fragment_B(thr.partition_B(sB));
+    Tensor accum = partition_fragment_C(tiled_mma, Shape<Int<Cfg::BM>, Int<Cfg::BN>>{});  // (MMA, 2, 1)
+    Tensor cd = thr.partition_C(make_identity_tensor(Shape<Int<Cfg::BM>, Int<Cfg::BN>>{}));
+    PipeState ps;
+    const int total = sched.total_tiles();
+    const int stride = gridDim.x;
+    for (int t = blockIdx.x + wg * stride, j = wg; t < total; t += 2 * stride, j += 2) {
+      if (j > 0) {
+        int other_k = 0, other_tail = 0;
+        tile_ctx(sched.get(t - stride), other_k, other_tail);
+        ps.template skip<Cfg::kStages>(other_k);
+      }
+      int k_tiles = 0, tail_valid = 0;
+      const TileCtx ctx = tile_ctx(sched.get(t), k_tiles, tail_valid);
+      if (j > 0) cutlass::arch::NamedBarrier::sync(kConsumerThreads, kOrderBar + wg);
+      Consumer::template run<Tail>(tiled_mma, tCrA, tCrB, accum, k_tiles, tail_valid, ps, s);
+      if (t + stride < total) cutlass::arch::NamedBarrier::arrive(kConsumerThreads, kOrderBar + (wg ^ 1));
+      // Per 64-row half (the epilogues address two rows per thread, AccPos); inputs streamed, not
+      // prefetched: their registers would sit next to a 128 x BN accumulator, and the other
+      // warpgroup's mainloop hides the loads' latency instead.
+      CUTE_UNROLL
+      for (int mi = 0; mi < size<1>(accum); ++mi) Epi::apply_streamed(p.epi, accum(_, mi, _), cd(_, mi, _), ctx);
     }
   }
 };
@@ -171,6 +222,7 @@ struct VarlenMKernel {
 // P gathered (cp.async), Q contiguous (TMA); Epi = EpiStore (D [E][M][N]) or EpiStoreT (D [E][N][M]).
 template <class Cfg, class Epi_>
 struct VarlenKKernel {
+  static_assert(!Cfg::kPingPong, "varlen-K: cooperative only (ZeroTail meets all 256 consumers)");
   using Producer = ProducerVarlenK<Cfg>;
   using Consumer = ConsumerMma<Cfg, true>;
   using Epi = Epi_;

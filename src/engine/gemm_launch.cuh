@@ -16,8 +16,11 @@ inline EpiDSwiGLU::Params epi_params(EpiDSwiGLU*, const VarlenMArgs& a, int n_ti
   return {a.H, a.dH, a.D2, a.scores, a.scatter, a.ds_partial, a.N, n_tiles};
 }
 
-template <int BN, GMMA::Major kMajorB>
-using VarlenMConfig = TileConfig<BN, BN == 256 ? 4 : 6, GMMA::Major::K, kMajorB>;
+// Schedule of a varlen-M instantiation (tile_config.cuh).
+enum class Sched { kCoop, kPingPong };
+
+template <int BN, GMMA::Major kMajorB, Sched kSched = Sched::kCoop>
+using VarlenMConfig = TileConfig<BN, stages_for(BN), GMMA::Major::K, kMajorB, kSched == Sched::kPingPong>;
 
 template <class Cfg, ALoad kALoad, class Epi>
 Status run_varlen_m(const VarlenMArgs& a, int sm_count, cudaStream_t stream, const char* name) {
@@ -57,7 +60,10 @@ Status run_varlen_k(const VarlenKArgs& a, int sm_count, cudaStream_t stream, con
 
 // The engine's instantiations, one per (kind, BN): each generated src/engine/instance.cu.in file
 // (CMakeLists.txt) defines inst::<kind><BN> as Instance<Kind::<kind>, BN>::run.
-enum class Kind { up_swiglu, down_store, dx_store, da_dswiglu, dw_gather_p, dw_gather_p_t };
+enum class Kind {
+  up_swiglu, down_store, dx_store, da_dswiglu, dw_gather_p, dw_gather_p_t,
+  up_swiglu_pp, down_store_pp, dx_store_pp, da_dswiglu_pp
+};
 template <Kind, int BN>
 struct Instance;
 template <int BN>
@@ -84,8 +90,33 @@ struct Instance<Kind::da_dswiglu, BN> {  // gathered dO, W2 MN-major, dSwiGLU + 
     return run_varlen_m<VarlenMConfig<BN, GMMA::Major::MN>, ALoad::kGather, EpiDSwiGLU>(a, sms, s, name);
   }
 };
+// Ping-pong twins of the four varlen-M kinds (one warpgroup per 128 x BN tile).
 template <int BN>
-using VarlenKConfig = TileConfig<BN, BN == 256 ? 4 : 6, GMMA::Major::MN, GMMA::Major::MN>;
+struct Instance<Kind::up_swiglu_pp, BN> {
+  static Status run(const VarlenMArgs& a, int sms, cudaStream_t s, const char* name) {
+    return run_varlen_m<VarlenMConfig<BN, GMMA::Major::K, Sched::kPingPong>, ALoad::kGather, EpiSwiGLU>(a, sms, s, name);
+  }
+};
+template <int BN>
+struct Instance<Kind::down_store_pp, BN> {
+  static Status run(const VarlenMArgs& a, int sms, cudaStream_t s, const char* name) {
+    return run_varlen_m<VarlenMConfig<BN, GMMA::Major::K, Sched::kPingPong>, ALoad::kTma, EpiStore>(a, sms, s, name);
+  }
+};
+template <int BN>
+struct Instance<Kind::dx_store_pp, BN> {
+  static Status run(const VarlenMArgs& a, int sms, cudaStream_t s, const char* name) {
+    return run_varlen_m<VarlenMConfig<BN, GMMA::Major::MN, Sched::kPingPong>, ALoad::kTma, EpiStore>(a, sms, s, name);
+  }
+};
+template <int BN>
+struct Instance<Kind::da_dswiglu_pp, BN> {
+  static Status run(const VarlenMArgs& a, int sms, cudaStream_t s, const char* name) {
+    return run_varlen_m<VarlenMConfig<BN, GMMA::Major::MN, Sched::kPingPong>, ALoad::kGather, EpiDSwiGLU>(a, sms, s, name);
+  }
+};
+template <int BN>
+using VarlenKConfig = TileConfig<BN, stages_for(BN), GMMA::Major::MN, GMMA::Major::MN>;
 template <int BN>
 struct Instance<Kind::dw_gather_p, BN> {  // P gathered, Q by TMA, D [E][M][N]
   static Status run(const VarlenKArgs& a, int sms, cudaStream_t s, const char* name) {

@@ -2,8 +2,14 @@
 // shared-memory layouts (128-byte swizzle, what TMA writes and wgmma reads) and the tiled MMA.
 //
 // Every kernel is 384 threads, one CTA per SM: warpgroup 0 produces (TMA and/or cp.async),
-// warpgroups 1 and 2 consume cooperatively (each owns 64 of the 128 rows of the tile, all BN
-// columns), so the accumulator is 64 x BN fp32 per warpgroup = BN/2 registers per thread.
+// warpgroups 1 and 2 consume, in one of two schedules:
+//   cooperative: both work on one 128 x BN tile, each owning 64 of its rows (accumulator 64 x BN
+//                fp32 per warpgroup = BN/2 registers per thread); the epilogue runs while the
+//                tensor cores idle (only the producer's next loads overlap it).
+//   ping-pong:   each warpgroup owns a whole 128 x BN tile (two 64-row wgmma, BN registers per
+//                thread), the two take alternate tiles and an order barrier lets only one issue
+//                MMAs at a time, so one warpgroup's epilogue runs under the other's mainloop.
+//                What short-K GEMMs (down-proj, dX~) and heavy epilogues (SwiGLU, dSwiGLU) need.
 #pragma once
 
 #include <cstdint>
@@ -38,8 +44,10 @@ struct SmemOperand {
                                         Order{}));
 };
 
-template <int BN_, int Stages_, GMMA::Major MajorA_, GMMA::Major MajorB_>
+template <int BN_, int Stages_, GMMA::Major MajorA_, GMMA::Major MajorB_, bool PingPong_ = false>
 struct TileConfig {
+  static constexpr bool kPingPong = PingPong_;
+  static constexpr int kMmaThreads = kPingPong ? 128 : 256;  // threads that share one tile
   static constexpr int BM = 128;
   static constexpr int BN = BN_;
   static constexpr int BK = 64;
@@ -49,13 +57,21 @@ struct TileConfig {
   static constexpr int kBytesA = BM * BK * 2;  // one stage of A
   static constexpr int kBytesB = BN * BK * 2;
   static_assert(BN % 64 == 0 && BN <= 256, "BN: a multiple of 64 up to 256 (one wgmma N)");
+  static_assert(!kPingPong || BN <= 192, "ping-pong: BN registers of accumulator per thread, <= 192");
 
   using SmemLayoutA = typename SmemOperand<kMajorA, BM, BK, kStages>::Layout;
   using SmemLayoutB = typename SmemOperand<kMajorB, BN, BK, kStages>::Layout;
   using TiledMma = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Bf16, Bf16, float, Shape<_64, Int<BN>, Int<BK>>, kMajorA, kMajorB>(),
-      Layout<Shape<_2, _1, _1>>{}));
+      Layout<Shape<Int<kPingPong ? 1 : 2>, _1, _1>>{}));
 };
+
+// Pipeline depth: as many A+B stages as fit next to the scheduler prefix and the barriers.
+constexpr int stages_for(int BN) {
+  const int per_stage = (128 + BN) * 64 * 2;
+  const int n = (kSmemLimit - 4096) / per_stage;
+  return n > 8 ? 8 : n;
+}
 
 template <class Cfg>
 struct SharedStorage {
@@ -76,6 +92,13 @@ struct PipeState {
       stage = 0;
       phase ^= 1u;
     }
+  }
+  // Past n stages another consumer takes (ping-pong: the other warpgroup's tile).
+  template <int Stages>
+  __device__ void skip(int n) {
+    const int s = stage + n;
+    phase ^= static_cast<uint32_t>(s / Stages) & 1u;
+    stage = s % Stages;
   }
 };
 

@@ -110,18 +110,44 @@ TEST(EngineApi, VarlenKRules) {
 }
 
 TEST(EngineApi, TileHeuristic) {
+  unsetenv("SMOE_ENGINE_SCHED");
+  unsetenv("SMOE_ENGINE_BN_M");
   auto a = good_m();
+  // Long-K store: cooperative, wide tiles when they fill the machine.
+  a.K = 2048;
   a.N = 512;
   a.rows = 200000;  // 1562 x 2 wide tiles: > 2 waves of 132 SMs
-  EXPECT_EQ(eng::choose_varlen_m(a, 132).bn, 256);
+  EXPECT_STREQ(eng::choose_varlen_m(a, 132).name, "down_store<256>");
+  EXPECT_FALSE(eng::choose_varlen_m(a, 132).pingpong);
   a.rows = 4000;  // 31 x 2 wide tiles: too few, narrow tiles balance better
   EXPECT_EQ(eng::choose_varlen_m(a, 132).bn, 128);
   a.rows = 200000;
   a.N = 640;  // not a multiple of 256
   EXPECT_EQ(eng::choose_varlen_m(a, 132).bn, 128);
+  // Short-K store (down-proj over n, dX~ over 2n): ping-pong, 128 x 128 per warpgroup.
   a.N = 512;
-  a.epilogue = eng::Epilogue::kDSwiGLU;  // always 128 (register budget of its epilogue)
-  EXPECT_EQ(eng::choose_varlen_m(a, 132).bn, 128);
+  a.K = eng::kPingPongMaxK;
+  EXPECT_STREQ(eng::choose_varlen_m(a, 132).name, "down_store_pp<128>");
+  a.b_major = eng::WeightMajor::kKN;
+  EXPECT_STREQ(eng::choose_varlen_m(a, 132).name, "dx_store_pp<128>");
+  // Fused epilogues: ping-pong at any K.
+  a.K = 4096;
+  a.epilogue = eng::Epilogue::kDSwiGLU;
+  EXPECT_STREQ(eng::choose_varlen_m(a, 132).name, "da_dswiglu_pp<128>");
+  a.b_major = eng::WeightMajor::kNK;
+  a.epilogue = eng::Epilogue::kSwiGLU;
+  EXPECT_STREQ(eng::choose_varlen_m(a, 132).name, "up_swiglu_pp<128>");
+  // The switches force an instantiation that exists, and are ignored where none does.
+  setenv("SMOE_ENGINE_SCHED", "coop", 1);
+  setenv("SMOE_ENGINE_BN_M", "256", 1);
+  EXPECT_STREQ(eng::choose_varlen_m(a, 132).name, "up_swiglu<256>");
+  setenv("SMOE_ENGINE_SCHED", "pingpong", 1);
+  setenv("SMOE_ENGINE_BN_M", "192", 1);
+  EXPECT_STREQ(eng::choose_varlen_m(a, 132).name, "up_swiglu_pp<128>");  // no SwiGLU 192
+  a.epilogue = eng::Epilogue::kStore;
+  EXPECT_STREQ(eng::choose_varlen_m(a, 132).name, "down_store_pp<192>");
+  unsetenv("SMOE_ENGINE_SCHED");
+  unsetenv("SMOE_ENGINE_BN_M");
   // Q-gathered varlen-K runs transposed: the choice is made on the transposed shape.
   eng::VarlenKArgs k;
   k.num_experts = 64;

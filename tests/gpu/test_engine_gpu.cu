@@ -8,7 +8,9 @@
 #include <algorithm>
 #include <cmath>
 #include <memory>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <numeric>
 #include <random>
 #include <vector>
@@ -129,9 +131,9 @@ struct MCase {
   int expect_bn = 0;  // 0: whatever the heuristic picks
 };
 
-void run_m(const MCase& c) {
+void run_m_once(const MCase& c, const char* variant) {
   smoe_test::Rng rng;
-  SCOPED_TRACE(testing::Message() << "seed " << rng.seed << " N " << c.N << " K " << c.K << " epi "
+  SCOPED_TRACE(testing::Message() << "variant " << variant << " seed " << rng.seed << " N " << c.N << " K " << c.K << " epi "
                                   << static_cast<int>(c.epi) << " major " << static_cast<int>(c.major)
                                   << " gather " << c.gather);
   auto& g = rng.gen;
@@ -179,7 +181,8 @@ void run_m(const MCase& c) {
   a.scores = d_s->get();
   a.scatter = d_sc->get();
   a.ds_partial = dsp.get();
-  if (c.expect_bn) EXPECT_EQ(eng::choose_varlen_m(a, sms()).bn, c.expect_bn);
+  if (c.expect_bn && std::getenv("SMOE_ENGINE_SCHED") == nullptr) EXPECT_EQ(eng::choose_varlen_m(a, sms()).bn, c.expect_bn);
+  ASSERT_STREQ(eng::choose_varlen_m(a, sms()).name, variant) << "the forced instantiation was not chosen";
 
   smoe::Status st = eng::varlen_m(a, sms(), 0);
   ASSERT_TRUE(st.ok()) << st.message;
@@ -250,6 +253,45 @@ void run_m(const MCase& c) {
     D2.expect_guard(hD2, "A'");
     dsp.expect_guard(hds, "ds_partial");
   }
+}
+
+// Every instantiation that can run the case's epilogue and weight layout, forced through the
+// engine's SMOE_ENGINE_SCHED / SMOE_ENGINE_BN_M switches (what the heuristic picks is one of them).
+struct Variant {
+  const char* sched;  // nullptr: unset, the heuristic decides
+  const char* bn;
+};
+void run_m(const MCase& c) {
+  const bool store = c.epi == eng::Epilogue::kStore, dswiglu = c.epi == eng::Epilogue::kDSwiGLU;
+  const char* kind = c.epi == eng::Epilogue::kSwiGLU ? "up_swiglu"
+                     : dswiglu                       ? "da_dswiglu"
+                     : c.major == eng::WeightMajor::kNK ? "down_store"
+                                                       : "dx_store";
+  struct Run {
+    Variant v;
+    std::string name;
+  };
+  std::vector<Run> runs = {{{"coop", "128"}, std::string(kind) + "<128>"},
+                           {{"pingpong", "128"}, std::string(kind) + "_pp<128>"}};
+  if (!dswiglu && c.N % 256 == 0) runs.push_back({{"coop", "256"}, std::string(kind) + "<256>"});
+  if (store) runs.push_back({{"pingpong", "192"}, std::string(kind) + "_pp<192>"});
+  for (const Run& r : runs) {
+    setenv("SMOE_ENGINE_SCHED", r.v.sched, 1);
+    setenv("SMOE_ENGINE_BN_M", r.v.bn, 1);
+    run_m_once(c, r.name.c_str());
+  }
+  unsetenv("SMOE_ENGINE_SCHED");
+  unsetenv("SMOE_ENGINE_BN_M");
+  // The heuristic's own pick (checks expect_bn), as the layer will run it.
+  run_m_once(c, eng::choose_varlen_m([&] {
+    eng::VarlenMArgs a;
+    a.N = c.N;
+    a.K = c.K;
+    a.rows = std::accumulate(c.counts.begin(), c.counts.end(), int64_t{0});
+    a.b_major = c.major;
+    a.epilogue = c.epi;
+    return a;
+  }(), sms()).name);
 }
 
 // ---- varlen-K ------------------------------------------------------------------------------
@@ -346,9 +388,10 @@ TEST(GpuEngine, OneHotExpertAndK1) {
 TEST(GpuEngine, WideTilesLargeShapes) {
   std::mt19937_64 g(smoe_test::fresh_seed());
   const auto counts = random_counts(16, 20000, g, 0.1);
-  run_m({counts, 512, 256, eng::WeightMajor::kNK, eng::Epilogue::kStore, false, 256});
-  run_m({counts, 512, 128, eng::WeightMajor::kKN, eng::Epilogue::kStore, false, 256});
-  run_m({counts, 1024, 128, eng::WeightMajor::kNK, eng::Epilogue::kSwiGLU, true, 256});
+  run_m({counts, 512, 256, eng::WeightMajor::kNK, eng::Epilogue::kStore, false});
+  run_m({counts, 512, 128, eng::WeightMajor::kKN, eng::Epilogue::kStore, false});
+  run_m({counts, 512, 1088, eng::WeightMajor::kKN, eng::Epilogue::kStore, false});  // long K: cooperative
+  run_m({counts, 1024, 128, eng::WeightMajor::kNK, eng::Epilogue::kSwiGLU, true});
   run_k({random_counts(66, 8000, g, 0.1), 512, 512, false, true, 256});
 }
 TEST(GpuEngine, VarlenK) {
