@@ -1,7 +1,8 @@
 // Host side of the engine: argument rules, the tile heuristic, dispatch to the instantiations,
 // and the SMOE_ENGINE_PRINT switch.
 //
-// Tile heuristic (BM = 128, BK = 64 throughout; BN = 256 or 128):
+// Tile heuristic (BM = 128, BK = 64 throughout; schedule and BN in choose_varlen_m for varlen-M;
+// for the cooperative schedule and varlen-K, BN = 256 or 128 as follows):
 //   * BN = 256 halves the B (weight) reloads per A row and gives 64x256x16 wgmma, the fastest
 //     atom; it needs N % 256 == 0 (otherwise a quarter or more of the last column tile is padding)
 //     and enough tiles to fill the machine: with T*K rows there are about T*K/128 * N/256 tiles;
@@ -80,18 +81,23 @@ int ds_partial_tiles(int N) { return (N + 127) / 128; }
 Choice choose_varlen_m(const VarlenMArgs& a, int sm_count) {
   const bool store = a.epilogue == Epilogue::kStore;
   const int64_t tiles256 = (a.rows / 128) * (a.N / 256);
-  // Schedule: ping-pong where a tile's epilogue is long next to its mainloop: the store GEMMs
-  // with a short reduction (K <= kPingPongMaxK) and the fused epilogues, whose per-element work
-  // (SwiGLU: two stores; dSwiGLU: H loads, dH, A', dS) would otherwise idle the tensor cores.
-  // Cooperative on long-K stores, where 128 x 256 tiles (64 x 256 per warpgroup) halve the
-  // operand traffic per FLOP and the epilogue is short next to the mainloop.
-  bool pp = store ? a.K <= kPingPongMaxK : true;
+  // Schedule (measured over 19 shapes, docs/engine.md): ping-pong hides one warpgroup's epilogue
+  // under the other's mainloop, but its 128 x BN tile per warpgroup (BN <= 192, the accumulator's
+  // registers) reloads more operand bytes per FLOP than cooperative 128 x 256. So ping-pong where
+  // the epilogue is long next to the mainloop: every dA' (dSwiGLU: H loads, dH, A', dS per
+  // element), and SwiGLU / store GEMMs with K <= kPingPongMaxK (K = n or 2n, or a short d);
+  // cooperative 128 x 256 on long-K GEMMs, where the operand traffic is what limits.
+  bool pp = a.epilogue == Epilogue::kDSwiGLU || a.K <= kPingPongMaxK;
   const ForcedSched fs = forced_sched();
   if (fs != ForcedSched::kNone) pp = fs == ForcedSched::kPingPong;
   const int forced = forced_bn("SMOE_ENGINE_BN_M");
   int bn;
   if (pp) {
-    bn = forced == 192 && store ? 192 : 128;  // 128 x 128 per warpgroup: 128 accumulator registers
+    // Stores: 128 x 192 (more B reuse per A row than 128 x 128) unless the last column tile would
+    // waste more than 1/8 of the columns; the fused epilogues hold more per element: 128 x 128.
+    const int64_t pad192 = (a.N + 191) / 192 * 192 - a.N;
+    const bool wide = store && (forced ? forced == 192 : pad192 * 8 <= a.N);
+    bn = wide ? 192 : 128;
   } else if (a.epilogue == Epilogue::kDSwiGLU) {
     bn = 128;  // 64 x 128 per warpgroup keeps its epilogue inside the register budget
   } else {

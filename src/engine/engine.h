@@ -84,8 +84,8 @@ struct Choice {
   bool pingpong;     // schedule (tile_config.cuh): ping-pong or cooperative
   const char* name;  // the instantiation, e.g. "down_store_pp<128>"
 };
-// Store GEMMs with K up to this run ping-pong by default (engine.cu).
-constexpr int kPingPongMaxK = 1024;
+// SwiGLU and store GEMMs with K up to this run ping-pong by default (engine.cu).
+constexpr int kPingPongMaxK = 2048;
 Choice choose_varlen_m(const VarlenMArgs& a, int sm_count);
 Choice choose_varlen_k(const VarlenKArgs& a, int sm_count);
 

@@ -114,7 +114,7 @@ TEST(EngineApi, TileHeuristic) {
   unsetenv("SMOE_ENGINE_BN_M");
   auto a = good_m();
   // Long-K store: cooperative, wide tiles when they fill the machine.
-  a.K = 2048;
+  a.K = 4096;
   a.N = 512;
   a.rows = 200000;  // 1562 x 2 wide tiles: > 2 waves of 132 SMs
   EXPECT_STREQ(eng::choose_varlen_m(a, 132).name, "down_store<256>");
@@ -124,18 +124,24 @@ TEST(EngineApi, TileHeuristic) {
   a.rows = 200000;
   a.N = 640;  // not a multiple of 256
   EXPECT_EQ(eng::choose_varlen_m(a, 132).bn, 128);
-  // Short-K store (down-proj over n, dX~ over 2n): ping-pong, 128 x 128 per warpgroup.
-  a.N = 512;
+  // Short-K store (down-proj over n, dX~ over 2n): ping-pong, 128 x 192 per warpgroup unless
+  // the last column tile is mostly padding.
+  a.N = 4096;  // 21 1/3 tiles of 192: 3% padding
   a.K = eng::kPingPongMaxK;
-  EXPECT_STREQ(eng::choose_varlen_m(a, 132).name, "down_store_pp<128>");
+  EXPECT_STREQ(eng::choose_varlen_m(a, 132).name, "down_store_pp<192>");
   a.b_major = eng::WeightMajor::kKN;
+  EXPECT_STREQ(eng::choose_varlen_m(a, 132).name, "dx_store_pp<192>");
+  a.N = 448;  // 2 1/3 tiles of 192: 29% padding
   EXPECT_STREQ(eng::choose_varlen_m(a, 132).name, "dx_store_pp<128>");
-  // Fused epilogues: ping-pong at any K.
+  // dSwiGLU: ping-pong at any K; SwiGLU like the stores.
+  a.N = 512;
   a.K = 4096;
   a.epilogue = eng::Epilogue::kDSwiGLU;
   EXPECT_STREQ(eng::choose_varlen_m(a, 132).name, "da_dswiglu_pp<128>");
   a.b_major = eng::WeightMajor::kNK;
   a.epilogue = eng::Epilogue::kSwiGLU;
+  EXPECT_STREQ(eng::choose_varlen_m(a, 132).name, "up_swiglu<256>");
+  a.K = 2048;
   EXPECT_STREQ(eng::choose_varlen_m(a, 132).name, "up_swiglu_pp<128>");
   // The switches force an instantiation that exists, and are ignored where none does.
   setenv("SMOE_ENGINE_SCHED", "coop", 1);
