@@ -13,7 +13,20 @@ template <class Cfg, bool kFenceProxy>
 struct ConsumerMma {
   static constexpr int kStages = Cfg::kStages;
   // One arrival per warp that read the stage: both warpgroups (cooperative) or one (ping-pong).
-  static constexpr uint32_t kEmptyArrivals = Cfg::kMmaThreads / 32;
+  // In a cluster the stage is also written by the partner's multicast: its producer waits for our
+  // warps too, so each warp arrives on the stage's empty barrier in every CTA of the cluster.
+  static constexpr uint32_t kEmptyArrivals = Cfg::kMmaThreads / 32 * Cfg::kClusterM;
+
+  template <class Storage>
+  __device__ static void release(Storage& s, int stage) {
+    const uint32_t lane = threadIdx.x % 32;
+    if constexpr (Cfg::kClusterM == 1) {
+      if (lane == 0) cutlass::arch::ClusterBarrier::arrive(&s.empty[stage]);
+    } else {
+      // Lane c arrives on CTA c's barrier (the local one included, through its cluster address).
+      cutlass::arch::ClusterBarrier::arrive(&s.empty[stage], lane, lane < Cfg::kClusterM);
+    }
+  }
 
   // accum = sum over k_tiles >= 1 K-tiles.
   // Tail: called (all consumer threads) on the last K-tile when tail_valid > 0, before the MMA
@@ -21,7 +34,6 @@ struct ConsumerMma {
   template <class Tail, class TiledMma, class FragA, class FragB, class Accum, class Storage>
   __device__ static void run(TiledMma& tiled_mma, const FragA& tCrA, const FragB& tCrB, Accum& accum,
                              int k_tiles, int tail_valid, PipeState& ps, Storage& s) {
-    const bool lane0 = (threadIdx.x % 32) == 0;
     // k_tiles == 0 (an empty expert's weight gradient): accum is left as it is and the epilogue
     // stores zeros (TileCtx::zero). Clearing it here would give the accumulator two definitions
     // that meet at the wgmma pipeline, and ptxas then spills all of it.
@@ -44,14 +56,14 @@ struct ConsumerMma {
       warpgroup_wait<1>();  // the previous K-tile's batch has retired: its stage is free
       warpgroup_fence_operand(accum);
       if (k > 0) {
-        if (lane0) cutlass::arch::ClusterBarrier::arrive(&s.empty[release_stage]);
+        release(s, release_stage);
         release_stage = release_stage + 1 == kStages ? 0 : release_stage + 1;
       }
       ps.template advance<kStages>();
     }
     warpgroup_wait<0>();
     warpgroup_fence_operand(accum);
-    if (lane0) cutlass::arch::ClusterBarrier::arrive(&s.empty[release_stage]);
+    release(s, release_stage);
   }
 };
 

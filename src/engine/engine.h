@@ -82,28 +82,14 @@ Status varlen_k(const VarlenKArgs& a, int sm_count, cudaStream_t stream);
 struct Choice {
   int bn;
   bool pingpong;     // schedule (tile_config.cuh): ping-pong or cooperative
-  const char* name;  // the instantiation, e.g. "down_store_pp<128>"
+  int cluster;       // CTAs per cluster along M (B multicast): 1 or 2
+  const char* name;  // the instantiation, e.g. "down_store_pp_c2<192>"; nullptr: none fits
 };
 // SwiGLU and store GEMMs with K up to this run ping-pong by default (engine.cu).
 constexpr int kPingPongMaxK = 2048;
 Choice choose_varlen_m(const VarlenMArgs& a, int sm_count);
 Choice choose_varlen_k(const VarlenKArgs& a, int sm_count);
 
-namespace inst {
-// One kernel configuration per generated .cu (CMakeLists.txt from src/engine/instance.cu.in).
-template <int BN> Status up_swiglu(const VarlenMArgs& a, int sm_count, cudaStream_t s);
-template <int BN> Status down_store(const VarlenMArgs& a, int sm_count, cudaStream_t s);
-template <int BN> Status da_dswiglu(const VarlenMArgs& a, int sm_count, cudaStream_t s);
-template <int BN> Status dx_store(const VarlenMArgs& a, int sm_count, cudaStream_t s);
-// Ping-pong schedule of the same four (tile_config.cuh).
-template <int BN> Status up_swiglu_pp(const VarlenMArgs& a, int sm_count, cudaStream_t s);
-template <int BN> Status down_store_pp(const VarlenMArgs& a, int sm_count, cudaStream_t s);
-template <int BN> Status dx_store_pp(const VarlenMArgs& a, int sm_count, cudaStream_t s);
-template <int BN> Status da_dswiglu_pp(const VarlenMArgs& a, int sm_count, cudaStream_t s);
-template <int BN> Status dw_gather_p(const VarlenKArgs& a, int sm_count, cudaStream_t s);
-// P gathered, Q contiguous, D stored transposed ([E][N][M]).
-template <int BN> Status dw_gather_p_t(const VarlenKArgs& a, int sm_count, cudaStream_t s);
-}  // namespace inst
 
 }  // namespace engine
 }  // namespace smoe

@@ -6,6 +6,8 @@
 // warpgroups 1-2 consume with many (setmaxnreg), cooperatively or ping-pong (tile_config.cuh).
 #pragma once
 
+#include <atomic>
+
 #include "cute/tensor.hpp"
 #include "cutlass/arch/barrier.h"
 #include "cutlass/arch/reg_reconfig.h"
@@ -82,7 +84,7 @@ struct KernelBody {
     Tensor cd = thr.partition_C(make_identity_tensor(Shape<Int<Cfg::BM>, Int<Cfg::BN>>{}));
     PipeState ps;
     const int total = sched.total_tiles();
-    for (int t = blockIdx.x; t < total; t += gridDim.x) {
+    for (int t = sched.first(); t < total; t += sched.stride()) {
       int k_tiles = 0, tail_valid = 0;
       const TileCtx ctx = tile_ctx(sched.get(t), k_tiles, tail_valid);
       const auto pre = Epi::prefetch(p.epi, accum, cd, ctx);  // per-row epilogue inputs, early
@@ -91,7 +93,7 @@ struct KernelBody {
     }
   }
 
-  // Ping-pong: the CTA's tiles t = blockIdx.x + j * gridDim.x in order; warpgroup w takes the j
+  // Ping-pong: the CTA's tiles t = first + j * stride in order; warpgroup w takes the j
   // with j % 2 == w. The producer fills the stages in tile order, so before tile j a warpgroup
   // skips the stages of tile j - 1 (the other's; its K-tile count comes from the same scheduler).
   // Order barrier (named barriers kOrderBar + w, 256 threads: 128 arrive, 128 wait): warpgroup w
@@ -114,8 +116,8 @@ struct KernelBody {
     Tensor cd = thr.partition_C(make_identity_tensor(Shape<Int<Cfg::BM>, Int<Cfg::BN>>{}));
     PipeState ps;
     const int total = sched.total_tiles();
-    const int stride = gridDim.x;
-    for (int t = blockIdx.x + wg * stride, j = wg; t < total; t += 2 * stride, j += 2) {
+    const int stride = sched.stride();
+    for (int t = sched.first() + wg * stride, j = wg; t < total; t += 2 * stride, j += 2) {
       if (j > 0) {
         int other_k = 0, other_tail = 0;
         tile_ctx(sched.get(t - stride), other_k, other_tail);
@@ -147,12 +149,22 @@ struct VarlenMKernel {
   using GmemK = Layout<Shape<int, int>, Stride<int64_t, _1>>;   // (rows, K), K contiguous
   using GmemMN = Layout<Shape<int, int>, Stride<_1, int64_t>>;  // (N, rows), N contiguous
   using GmemB = std::conditional_t<Cfg::kMajorB == GMMA::Major::K, GmemK, GmemMN>;
+  static constexpr int kCluster = Cfg::kClusterM;
   template <class GL, class SL>
   static auto tma_for(const Bf16* ptr, GL gl, SL sl) {
     return make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(ptr), gl), sl(_, _, Int<0>{}));
   }
+  // B: multicast over the cluster (each CTA issues 1/C of the tile) when C > 1.
+  template <class GL, class SL>
+  static auto tma_for_b(const Bf16* ptr, GL gl, SL sl) {
+    if constexpr (kCluster == 1)
+      return tma_for(ptr, gl, sl);
+    else
+      return make_tma_copy(SM90_TMA_LOAD_MULTICAST{}, make_tensor(make_gmem_ptr(ptr), gl), sl(_, _, Int<0>{}),
+                           Int<kCluster>{});
+  }
   using TmaA = decltype(tma_for(nullptr, GmemK{}, typename Cfg::SmemLayoutA{}));
-  using TmaB = decltype(tma_for(nullptr, GmemB{}, typename Cfg::SmemLayoutB{}));
+  using TmaB = decltype(tma_for_b(nullptr, GmemB{}, typename Cfg::SmemLayoutB{}));
 
   struct Params {
     int E, N, K;
@@ -186,15 +198,15 @@ struct VarlenMKernel {
     if constexpr (Cfg::kMajorB == GMMA::Major::K) {
       p.b_rows = E * N;
       p.b_cols = K;
-      p.tma_b = tma_for(reinterpret_cast<const Bf16*>(B),
-                        make_layout(make_shape(p.b_rows, p.b_cols), make_stride(int64_t{K}, _1{})),
-                        typename Cfg::SmemLayoutB{});
+      p.tma_b = tma_for_b(reinterpret_cast<const Bf16*>(B),
+                          make_layout(make_shape(p.b_rows, p.b_cols), make_stride(int64_t{K}, _1{})),
+                          typename Cfg::SmemLayoutB{});
     } else {
       p.b_rows = N;
       p.b_cols = E * K;
-      p.tma_b = tma_for(reinterpret_cast<const Bf16*>(B),
-                        make_layout(make_shape(p.b_rows, p.b_cols), make_stride(_1{}, int64_t{N})),
-                        typename Cfg::SmemLayoutB{});
+      p.tma_b = tma_for_b(reinterpret_cast<const Bf16*>(B),
+                          make_layout(make_shape(p.b_rows, p.b_cols), make_stride(_1{}, int64_t{N})),
+                          typename Cfg::SmemLayoutB{});
     }
     p.epi = epi;
     return p;
@@ -206,9 +218,18 @@ struct VarlenMKernel {
       cute::prefetch_tma_descriptor(p.tma_b.get_tma_descriptor());
       if constexpr (!kGather) cute::prefetch_tma_descriptor(p.tma_a.get_tma_descriptor());
     }
-    VarlenMScheduler<Cfg::BM>::build(p.expert_offset, p.E, s.tile_start);
+    using Sched = VarlenMScheduler<Cfg::BM, kCluster>;
+    Sched::build(p.expert_offset, p.E, s.tile_start);
     __syncthreads();
-    const VarlenMScheduler<Cfg::BM> sched{p.expert_offset, s.tile_start, p.E, p.n_tiles};
+    int rank = 0;
+    if constexpr (kCluster > 1) {
+      // Both CTAs' barriers are initialised (fence_barrier_init) before either multicasts into
+      // the other or arrives on its barriers.
+      cute::cluster_arrive_relaxed();
+      cute::cluster_wait();
+      rank = static_cast<int>(cute::block_rank_in_cluster());
+    }
+    const Sched sched{p.expert_offset, s.tile_start, p.E, p.n_tiles, rank};
     const int k_tiles = p.K / Cfg::BK;
     Body::roles(p, s, sched, [&](const WorkTile& w, int& kt, int&) {
       kt = k_tiles;
@@ -222,7 +243,9 @@ struct VarlenMKernel {
 // P gathered (cp.async), Q contiguous (TMA); Epi = EpiStore (D [E][M][N]) or EpiStoreT (D [E][N][M]).
 template <class Cfg, class Epi_>
 struct VarlenKKernel {
+  static constexpr int kCluster = 1;
   static_assert(!Cfg::kPingPong, "varlen-K: cooperative only (ZeroTail meets all 256 consumers)");
+  static_assert(Cfg::kClusterM == 1, "varlen-K: no cluster");
   using Producer = ProducerVarlenK<Cfg>;
   using Consumer = ConsumerMma<Cfg, true>;
   using Epi = Epi_;
@@ -270,16 +293,84 @@ struct VarlenKKernel {
 };
 
 // ---- launch ------------------------------------------------------------------------------------
+constexpr int kMaxDevices = 64;
+
 template <class Traits>
-Status launch(const typename Traits::Params& p, int grid, cudaStream_t stream, const char* name) {
+constexpr int smem_bytes() {
   constexpr int smem = static_cast<int>(sizeof(typename Traits::Storage));
   static_assert(smem <= kSmemLimit, "shared storage exceeds the sm_90 limit");
+  return smem;
+}
+
+template <class Traits>
+Status set_smem_attribute(const char* name) {
   // Set on every call, not once per process: the attribute belongs to the kernel in the CURRENT
   // device's context, and a caller may run on several GPUs. A host-side call of about a microsecond.
-  SMOE_RETURN_IF_ERROR(::smoe::detail::cuda_status(
-      cudaFuncSetAttribute(engine_kernel<Traits>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem), name));
-  if (grid <= 0) return Status{};
-  engine_kernel<Traits><<<grid, kThreads, smem, stream>>>(p);
+  return ::smoe::detail::cuda_status(
+      cudaFuncSetAttribute(engine_kernel<Traits>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes<Traits>()),
+      name);
+}
+
+inline cudaLaunchConfig_t launch_config(int grid, int smem, cudaStream_t stream, cudaLaunchAttribute* attr,
+                                        int cluster) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(grid), 1, 1);
+  cfg.blockDim = dim3(kThreads, 1, 1);
+  cfg.dynamicSmemBytes = static_cast<size_t>(smem);
+  cfg.stream = stream;
+  attr->id = cudaLaunchAttributeClusterDimension;
+  attr->val.clusterDim.x = static_cast<unsigned>(cluster);
+  attr->val.clusterDim.y = 1;
+  attr->val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cfg;
+}
+
+// Clusters of C that fit on the device at once (one CTA per SM; GPCs of uneven size can hold fewer
+// than SMs / C): the persistent grid of a clustered kernel. Cached per device for each kernel.
+template <class Traits>
+Status max_active_clusters(int cluster, int sm_count, int* out, const char* name) {
+  static std::atomic<int> cache[kMaxDevices];  // zero-initialised (static storage)
+  int dev = 0;
+  SMOE_RETURN_IF_ERROR(::smoe::detail::cuda_status(cudaGetDevice(&dev), name));
+  if (dev >= 0 && dev < kMaxDevices && cache[dev].load(std::memory_order_relaxed) > 0) {
+    *out = cache[dev].load(std::memory_order_relaxed);
+    return Status{};
+  }
+  cudaLaunchAttribute attr;
+  cudaLaunchConfig_t cfg = launch_config(sm_count / cluster * cluster, smem_bytes<Traits>(), nullptr, &attr, cluster);
+  int n = 0;
+  SMOE_RETURN_IF_ERROR(
+      ::smoe::detail::cuda_status(cudaOccupancyMaxActiveClusters(&n, engine_kernel<Traits>, &cfg), name));
+  if (n <= 0)
+    return ::smoe::detail::make_status(StatusCode::kNotImplemented,
+                                       ::smoe::detail::concat(name, ": no cluster of ", cluster, " fits on this device"));
+  if (dev >= 0 && dev < kMaxDevices) cache[dev].store(n, std::memory_order_relaxed);
+  *out = n;
+  return Status{};
+}
+
+// units: work units (tiles, or cluster-wide units of C tiles); the grid is persistent: at most one
+// CTA (cluster) per SM (per co-resident cluster slot).
+template <class Traits>
+Status launch(const typename Traits::Params& p, int64_t units, int sm_count, cudaStream_t stream, const char* name) {
+  constexpr int C = Traits::kCluster;
+  SMOE_RETURN_IF_ERROR(set_smem_attribute<Traits>(name));
+  if (units <= 0) return Status{};
+  if constexpr (C == 1) {
+    const int grid = static_cast<int>(units < sm_count ? units : sm_count);
+    engine_kernel<Traits><<<grid, kThreads, smem_bytes<Traits>(), stream>>>(p);
+  } else {
+    int slots = 0;
+    SMOE_RETURN_IF_ERROR(max_active_clusters<Traits>(C, sm_count, &slots, name));
+    if (slots > sm_count / C) slots = sm_count / C;  // the caller's SM budget
+    if (slots < 1) slots = 1;
+    const int clusters = static_cast<int>(units < slots ? units : slots);
+    cudaLaunchAttribute attr;
+    const cudaLaunchConfig_t cfg = launch_config(clusters * C, smem_bytes<Traits>(), stream, &attr, C);
+    SMOE_RETURN_IF_ERROR(::smoe::detail::cuda_status(cudaLaunchKernelEx(&cfg, engine_kernel<Traits>, p), name));
+  }
   return ::smoe::detail::cuda_status(cudaGetLastError(), name);
 }
 

@@ -19,8 +19,9 @@ inline EpiDSwiGLU::Params epi_params(EpiDSwiGLU*, const VarlenMArgs& a, int n_ti
 // Schedule of a varlen-M instantiation (tile_config.cuh).
 enum class Sched { kCoop, kPingPong };
 
-template <int BN, GMMA::Major kMajorB, Sched kSched = Sched::kCoop>
-using VarlenMConfig = TileConfig<BN, stages_for(BN), GMMA::Major::K, kMajorB, kSched == Sched::kPingPong>;
+template <int BN, GMMA::Major kMajorB, Sched kSched, int kCluster>
+using VarlenMConfig =
+    TileConfig<BN, stages_for(BN), GMMA::Major::K, kMajorB, kSched == Sched::kPingPong, kCluster>;
 
 template <class Cfg, ALoad kALoad, class Epi>
 Status run_varlen_m(const VarlenMArgs& a, int sm_count, cudaStream_t stream, const char* name) {
@@ -28,10 +29,9 @@ Status run_varlen_m(const VarlenMArgs& a, int sm_count, cudaStream_t stream, con
   const int n_tiles = (a.N + Cfg::BN - 1) / Cfg::BN;
   const auto p = K::make_params(a.num_experts, a.N, a.K, a.A, static_cast<int>(a.a_rows), a.gather_idx,
                                 a.B, a.expert_offset, epi_params(static_cast<Epi*>(nullptr), a, n_tiles));
-  // Tiles: sum_e ceil(m_e / BM) <= rows / BM + E, times the column tiles.
-  const int64_t tiles = (a.rows / Cfg::BM + a.num_experts) * static_cast<int64_t>(n_tiles);
-  const int grid = static_cast<int>(tiles < sm_count ? tiles : sm_count);
-  return launch<K>(p, grid, stream, name);
+  // Units: sum_e ceil(m_e / (C BM)) <= rows / (C BM) + E, times the column tiles.
+  const int64_t units = (a.rows / (Cfg::BM * Cfg::kClusterM) + a.num_experts) * static_cast<int64_t>(n_tiles);
+  return launch<K>(p, units, sm_count, stream, name);
 }
 
 inline EpiStore::Params epi_params_k(EpiStore*, const VarlenKArgs& a) { return {a.D, a.N}; }
@@ -54,77 +54,50 @@ Status run_varlen_k(const VarlenKArgs& a, int sm_count, cudaStream_t stream, con
   p.epi = epi_params_k(static_cast<Epi*>(nullptr), a);
   K::make_tma(p, reinterpret_cast<const Bf16*>(a.Q), a.ld_q, a.rows);
   const int64_t tiles = static_cast<int64_t>(a.num_experts) * p.m_tiles * p.n_tiles;
-  const int grid = static_cast<int>(tiles < sm_count ? tiles : sm_count);
-  return launch<K>(p, grid, stream, name);
+  return launch<K>(p, tiles, sm_count, stream, name);
 }
 
-// The engine's instantiations, one per (kind, BN): each generated src/engine/instance.cu.in file
-// (CMakeLists.txt) defines inst::<kind><BN> as Instance<Kind::<kind>, BN>::run.
-enum class Kind {
-  up_swiglu, down_store, dx_store, da_dswiglu, dw_gather_p, dw_gather_p_t,
-  up_swiglu_pp, down_store_pp, dx_store_pp, da_dswiglu_pp
-};
-template <Kind, int BN>
+// The engine's instantiations, one per (kind, BN, schedule, cluster): each file generated from
+// src/engine/instance.cu.in (CMakeLists.txt) defines one inst:: function as Instance<...>::run.
+enum class Kind { up_swiglu, down_store, dx_store, da_dswiglu, dw_gather_p, dw_gather_p_t };
+template <Kind, int BN, Sched, int C>
 struct Instance;
-template <int BN>
-struct Instance<Kind::up_swiglu, BN> {  // gathered x, W1 K-major, SwiGLU epilogue
+template <int BN, Sched S, int C>
+struct Instance<Kind::up_swiglu, BN, S, C> {  // gathered x, W1 K-major, SwiGLU epilogue
   static Status run(const VarlenMArgs& a, int sms, cudaStream_t s, const char* name) {
-    return run_varlen_m<VarlenMConfig<BN, GMMA::Major::K>, ALoad::kGather, EpiSwiGLU>(a, sms, s, name);
+    return run_varlen_m<VarlenMConfig<BN, GMMA::Major::K, S, C>, ALoad::kGather, EpiSwiGLU>(a, sms, s, name);
   }
 };
-template <int BN>
-struct Instance<Kind::down_store, BN> {  // A by TMA, W2 K-major
+template <int BN, Sched S, int C>
+struct Instance<Kind::down_store, BN, S, C> {  // A by TMA, W2 K-major
   static Status run(const VarlenMArgs& a, int sms, cudaStream_t s, const char* name) {
-    return run_varlen_m<VarlenMConfig<BN, GMMA::Major::K>, ALoad::kTma, EpiStore>(a, sms, s, name);
+    return run_varlen_m<VarlenMConfig<BN, GMMA::Major::K, S, C>, ALoad::kTma, EpiStore>(a, sms, s, name);
   }
 };
-template <int BN>
-struct Instance<Kind::dx_store, BN> {  // dH by TMA, W1 MN-major
+template <int BN, Sched S, int C>
+struct Instance<Kind::dx_store, BN, S, C> {  // dH by TMA, W1 MN-major
   static Status run(const VarlenMArgs& a, int sms, cudaStream_t s, const char* name) {
-    return run_varlen_m<VarlenMConfig<BN, GMMA::Major::MN>, ALoad::kTma, EpiStore>(a, sms, s, name);
+    return run_varlen_m<VarlenMConfig<BN, GMMA::Major::MN, S, C>, ALoad::kTma, EpiStore>(a, sms, s, name);
   }
 };
-template <int BN>
-struct Instance<Kind::da_dswiglu, BN> {  // gathered dO, W2 MN-major, dSwiGLU + dS epilogue
+template <int BN, Sched S, int C>
+struct Instance<Kind::da_dswiglu, BN, S, C> {  // gathered dO, W2 MN-major, dSwiGLU + dS epilogue
   static Status run(const VarlenMArgs& a, int sms, cudaStream_t s, const char* name) {
-    return run_varlen_m<VarlenMConfig<BN, GMMA::Major::MN>, ALoad::kGather, EpiDSwiGLU>(a, sms, s, name);
-  }
-};
-// Ping-pong twins of the four varlen-M kinds (one warpgroup per 128 x BN tile).
-template <int BN>
-struct Instance<Kind::up_swiglu_pp, BN> {
-  static Status run(const VarlenMArgs& a, int sms, cudaStream_t s, const char* name) {
-    return run_varlen_m<VarlenMConfig<BN, GMMA::Major::K, Sched::kPingPong>, ALoad::kGather, EpiSwiGLU>(a, sms, s, name);
-  }
-};
-template <int BN>
-struct Instance<Kind::down_store_pp, BN> {
-  static Status run(const VarlenMArgs& a, int sms, cudaStream_t s, const char* name) {
-    return run_varlen_m<VarlenMConfig<BN, GMMA::Major::K, Sched::kPingPong>, ALoad::kTma, EpiStore>(a, sms, s, name);
-  }
-};
-template <int BN>
-struct Instance<Kind::dx_store_pp, BN> {
-  static Status run(const VarlenMArgs& a, int sms, cudaStream_t s, const char* name) {
-    return run_varlen_m<VarlenMConfig<BN, GMMA::Major::MN, Sched::kPingPong>, ALoad::kTma, EpiStore>(a, sms, s, name);
-  }
-};
-template <int BN>
-struct Instance<Kind::da_dswiglu_pp, BN> {
-  static Status run(const VarlenMArgs& a, int sms, cudaStream_t s, const char* name) {
-    return run_varlen_m<VarlenMConfig<BN, GMMA::Major::MN, Sched::kPingPong>, ALoad::kGather, EpiDSwiGLU>(a, sms, s, name);
+    return run_varlen_m<VarlenMConfig<BN, GMMA::Major::MN, S, C>, ALoad::kGather, EpiDSwiGLU>(a, sms, s, name);
   }
 };
 template <int BN>
 using VarlenKConfig = TileConfig<BN, stages_for(BN), GMMA::Major::MN, GMMA::Major::MN>;
-template <int BN>
-struct Instance<Kind::dw_gather_p, BN> {  // P gathered, Q by TMA, D [E][M][N]
+template <int BN, Sched S, int C>
+struct Instance<Kind::dw_gather_p, BN, S, C> {  // P gathered, Q by TMA, D [E][M][N]
+  static_assert(S == Sched::kCoop && C == 1, "varlen-K: cooperative, no cluster");
   static Status run(const VarlenKArgs& a, int sms, cudaStream_t s, const char* name) {
     return run_varlen_k<VarlenKConfig<BN>, EpiStore>(a, sms, s, name);
   }
 };
-template <int BN>
-struct Instance<Kind::dw_gather_p_t, BN> {  // P gathered, Q by TMA, D stored transposed
+template <int BN, Sched S, int C>
+struct Instance<Kind::dw_gather_p_t, BN, S, C> {  // P gathered, Q by TMA, D stored transposed
+  static_assert(S == Sched::kCoop && C == 1, "varlen-K: cooperative, no cluster");
   static Status run(const VarlenKArgs& a, int sms, cudaStream_t s, const char* name) {
     return run_varlen_k<VarlenKConfig<BN>, EpiStoreT>(a, sms, s, name);
   }

@@ -98,7 +98,7 @@ struct ProducerVarlenK {
 
     PipeState ps;
     const int total = sched.total_tiles();
-    for (int t = blockIdx.x; t < total; t += gridDim.x) {
+    for (int t = sched.first(); t < total; t += sched.stride()) {
       const WorkTile w = sched.get(t);
       const int k_tiles = (w.rows + BK - 1) / BK;
       const int m0 = w.m_tile * BM, n0 = w.n_tile * BN;

@@ -10,6 +10,8 @@
 //   gathered: row r of the tile is A[gather_idx[row0 + r]], 16-byte cp.async by all 128 producer
 //   threads (thread t: 16-byte chunk t % 8 of rows t / 8 + 16 i), zero-filled past the expert's end.
 // One mbarrier per stage: the TMA thread's arrive_expect_tx (+ 128 cp.async noinc arrivals).
+// In a cluster of 2 along M, B arrives half from this CTA's TMA and half from the partner's
+// multicast; the stage's expected bytes are the same.
 #pragma once
 
 #include "engine/sm90_primitives.cuh"
@@ -28,11 +30,12 @@ struct ProducerVarlenM {
   static constexpr int kRowsPerThread = BM * (BK / 8) / kProducerThreads;  // 8
   static constexpr uint32_t kTxBytes = Cfg::kBytesB + (kGather ? 0 : Cfg::kBytesA);
   static constexpr uint32_t kFullArrivals = 1 + (kGather ? kProducerThreads : 0);
+  static constexpr int kCluster = Cfg::kClusterM;
 
   // B tile (n0.., k) of expert e (see the header comment for the two layouts).
   template <class Params, class SB, class MB>
   __device__ static void load_b(const Params& p, SB& sB, const MB& mB, const WorkTile& w, int k,
-                                int stage, uint64_t& bar) {
+                                int stage, uint64_t& bar, int rank) {
     const int n0 = w.n_tile * BN;
     Tensor gB = [&] {
       if constexpr (Cfg::kMajorB == GMMA::Major::K)
@@ -42,9 +45,13 @@ struct ProducerVarlenM {
         return local_tile(domain_offset(make_coord(n0, w.expert * p.K), mB),
                           make_shape(Int<BN>{}, Int<BK>{}), make_coord(0, _));
     }();
-    auto [tBgB, tBsB] = tma_partition(p.tma_b, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sB),
+    // Cluster: this CTA loads its 1/C slice of the tile into the same place in every CTA.
+    auto [tBgB, tBsB] = tma_partition(p.tma_b, rank, Layout<Int<kCluster>>{}, group_modes<0, 2>(sB),
                                       group_modes<0, 2>(gB));
-    copy(p.tma_b.with(bar), tBgB(_, k), tBsB(_, stage));
+    if constexpr (kCluster == 1)
+      copy(p.tma_b.with(bar), tBgB(_, k), tBsB(_, stage));
+    else
+      copy(p.tma_b.with(bar, static_cast<uint16_t>((1u << kCluster) - 1)), tBgB(_, k), tBsB(_, stage));
   }
 
   // Contiguous A rows row0.. of the tile (k-th K-tile).
@@ -80,7 +87,7 @@ struct ProducerVarlenM {
     const int k_tiles = p.K / BK;
     PipeState ps;
     const int total = sched.total_tiles();
-    for (int t = blockIdx.x; t < total; t += gridDim.x) {
+    for (int t = sched.first(); t < total; t += sched.stride()) {
       const WorkTile w = sched.get(t);
       const Bf16* src[kRowsPerThread];
       bool valid[kRowsPerThread];
@@ -98,7 +105,7 @@ struct ProducerVarlenM {
         cutlass::arch::ClusterBarrier::wait(&s.empty[ps.stage], ps.phase ^ 1u);
         if (tid == 0) {
           cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&s.full[ps.stage], kTxBytes);
-          load_b(p, sB, mB, w, k, ps.stage, s.full[ps.stage]);
+          load_b(p, sB, mB, w, k, ps.stage, s.full[ps.stage], sched.rank);
           if constexpr (!kGather) load_a_tma(p, sA, mA, w, k, ps.stage, s.full[ps.stage]);
         }
         if constexpr (kGather) {
@@ -110,6 +117,16 @@ struct ProducerVarlenM {
         }
         ps.template advance<kStages>();
       }
+    }
+    // Cluster: the partner's consumers arrive on this CTA's empty barriers and its multicasts
+    // land in this CTA's stages; the CTA may exit only after every stage was released again,
+    // i.e. after the last of those arrivals (every multicast into a stage precedes its release).
+    if constexpr (kCluster > 1) {
+      if (tid == 0)
+        for (int i = 0; i < kStages; ++i) {
+          cutlass::arch::ClusterBarrier::wait(&s.empty[ps.stage], ps.phase ^ 1u);
+          ps.template advance<kStages>();
+        }
     }
   }
 };

@@ -44,9 +44,14 @@ struct SmemOperand {
                                         Order{}));
 };
 
-template <int BN_, int Stages_, GMMA::Major MajorA_, GMMA::Major MajorB_, bool PingPong_ = false>
+template <int BN_, int Stages_, GMMA::Major MajorA_, GMMA::Major MajorB_, bool PingPong_ = false,
+          int ClusterM_ = 1>
 struct TileConfig {
   static constexpr bool kPingPong = PingPong_;
+  // CTAs per cluster along M: each loads 1/ClusterM of the B (weight) tile and multicasts it to
+  // all, so a pair of CTAs on adjacent M-tiles of one expert reads each weight byte from L2 once.
+  static constexpr int kClusterM = ClusterM_;
+  static_assert(kClusterM == 1 || kClusterM == 2, "cluster: 1 or 2 CTAs along M");
   static constexpr int kMmaThreads = kPingPong ? 128 : 256;  // threads that share one tile
   static constexpr int BM = 128;
   static constexpr int BN = BN_;

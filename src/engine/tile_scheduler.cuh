@@ -1,6 +1,9 @@
 // Persistent static tile schedulers over (expert, tile), computed on the device from expert_offset
 // (no host sync). Every role of a CTA (producer and consumers) walks the same sequence
-// tile = blockIdx.x + i * gridDim.x and decodes it on its own: no communication is needed.
+// tile = first() + i * stride() and decodes it on its own: no communication is needed. In a
+// cluster of C CTAs (varlen-M, B multicast along M) the unit of work is a C x BM-row block; the
+// cluster walks the units and CTA rank r takes rows r * BM.. of each, so both CTAs of a pair
+// always share the expert and N-tile (the B tile they multicast to each other).
 #pragma once
 
 #include <cstdint>
@@ -20,12 +23,17 @@ struct WorkTile {
 // N-tiles innermost, so CTAs of one wave share the A rows of one M-tile and an expert's weight
 // tiles stay in L2 across its M-tiles. tile_start (shared memory, E+1 entries) is the exclusive
 // prefix of the M-tile counts, built once per CTA by warp 0 (E <= 512: 16 warp scans).
-template <int BM>
+template <int BM, int C = 1>
 struct VarlenMScheduler {
+  static constexpr int kUnitRows = BM * C;
   const int32_t* offset;    // [E+1] global
-  const int* tile_start;    // [E+1] shared
+  const int* tile_start;    // [E+1] shared: prefix of the units (C x BM rows) per expert
   int num_experts;
   int n_tiles;
+  int rank;                 // this CTA's rank in its cluster (0 when C == 1)
+
+  __device__ static int first() { return static_cast<int>(blockIdx.x) / C; }
+  __device__ static int stride() { return static_cast<int>(gridDim.x) / C; }
 
   __device__ static void build(const int32_t* __restrict__ offset, int E, int* tile_start) {
     if (threadIdx.x >= 32) return;
@@ -34,7 +42,7 @@ struct VarlenMScheduler {
     for (int base = 0; base < E; base += 32) {
       const int e = base + lane;
       int v = 0;
-      if (e < E) v = (offset[e + 1] - offset[e] + BM - 1) / BM;
+      if (e < E) v = (offset[e + 1] - offset[e] + kUnitRows - 1) / kUnitRows;
       int incl = v;
 #pragma unroll
       for (int d = 1; d < 32; d <<= 1) {
@@ -60,11 +68,13 @@ struct VarlenMScheduler {
       if (tile_start[mid] <= m_lin) lo = mid; else hi = mid - 1;
     }
     w.expert = lo;
-    w.m_tile = m_lin - tile_start[lo];
+    w.m_tile = (m_lin - tile_start[lo]) * C + rank;
     const int begin = offset[lo], end = offset[lo + 1];
     w.row0 = begin + w.m_tile * BM;
+    // A unit's rank-1 half may lie past the expert's end (odd M-tile count): rows = 0, the CTA
+    // still loads and multiplies (its partner needs its half of B) but stores nothing.
     const int left = end - w.row0;
-    w.rows = left < BM ? left : BM;
+    w.rows = left < 0 ? 0 : left < BM ? left : BM;
     return w;
   }
 };
@@ -77,6 +87,8 @@ struct VarlenKScheduler {
   int m_tiles;
   int n_tiles;
 
+  __device__ static int first() { return static_cast<int>(blockIdx.x); }
+  __device__ static int stride() { return static_cast<int>(gridDim.x); }
   __device__ int total_tiles() const { return num_experts * m_tiles * n_tiles; }
 
   __device__ WorkTile get(int t) const {

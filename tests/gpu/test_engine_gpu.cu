@@ -182,7 +182,8 @@ void run_m_once(const MCase& c, const char* variant) {
   a.scatter = d_sc->get();
   a.ds_partial = dsp.get();
   if (c.expect_bn && std::getenv("SMOE_ENGINE_SCHED") == nullptr) EXPECT_EQ(eng::choose_varlen_m(a, sms()).bn, c.expect_bn);
-  ASSERT_STREQ(eng::choose_varlen_m(a, sms()).name, variant) << "the forced instantiation was not chosen";
+  const char* chosen = eng::choose_varlen_m(a, sms()).name;
+  ASSERT_STREQ(chosen ? chosen : "(none)", variant) << "the forced instantiation was not chosen";
 
   smoe::Status st = eng::varlen_m(a, sms(), 0);
   ASSERT_TRUE(st.ok()) << st.message;
@@ -256,32 +257,39 @@ void run_m_once(const MCase& c, const char* variant) {
 }
 
 // Every instantiation that can run the case's epilogue and weight layout, forced through the
-// engine's SMOE_ENGINE_SCHED / SMOE_ENGINE_BN_M switches (what the heuristic picks is one of them).
-struct Variant {
-  const char* sched;  // nullptr: unset, the heuristic decides
-  const char* bn;
-};
+// engine's SMOE_ENGINE_SCHED / _BN_M / _CLUSTER switches (what the heuristic picks is one of them).
 void run_m(const MCase& c) {
   const bool store = c.epi == eng::Epilogue::kStore, dswiglu = c.epi == eng::Epilogue::kDSwiGLU;
-  const char* kind = c.epi == eng::Epilogue::kSwiGLU ? "up_swiglu"
-                     : dswiglu                       ? "da_dswiglu"
-                     : c.major == eng::WeightMajor::kNK ? "down_store"
-                                                       : "dx_store";
+  const std::string kind = c.epi == eng::Epilogue::kSwiGLU       ? "up_swiglu"
+                           : dswiglu                             ? "da_dswiglu"
+                           : c.major == eng::WeightMajor::kNK    ? "down_store"
+                                                                 : "dx_store";
   struct Run {
-    Variant v;
-    std::string name;
+    const char* sched;
+    const char* bn;
+    const char* cluster;
+    std::string label;
   };
-  std::vector<Run> runs = {{{"coop", "128"}, std::string(kind) + "<128>"},
-                           {{"pingpong", "128"}, std::string(kind) + "_pp<128>"}};
-  if (!dswiglu && c.N % 256 == 0) runs.push_back({{"coop", "256"}, std::string(kind) + "<256>"});
-  if (store) runs.push_back({{"pingpong", "192"}, std::string(kind) + "_pp<192>"});
+  std::vector<Run> runs = {{"coop", "128", "1", kind + "<128>"}, {"pingpong", "128", "1", kind + "_pp<128>"}};
+  if (!dswiglu && c.N % 256 == 0) {
+    runs.push_back({"coop", "256", "1", kind + "<256>"});
+    runs.push_back({"coop", "256", "2", kind + "_c2<256>"});
+  }
+  if (store) {
+    runs.push_back({"pingpong", "192", "1", kind + "_pp<192>"});
+    runs.push_back({"pingpong", "192", "2", kind + "_pp_c2<192>"});
+  } else {
+    runs.push_back({"pingpong", "128", "2", kind + "_pp_c2<128>"});
+  }
   for (const Run& r : runs) {
-    setenv("SMOE_ENGINE_SCHED", r.v.sched, 1);
-    setenv("SMOE_ENGINE_BN_M", r.v.bn, 1);
-    run_m_once(c, r.name.c_str());
+    setenv("SMOE_ENGINE_SCHED", r.sched, 1);
+    setenv("SMOE_ENGINE_BN_M", r.bn, 1);
+    setenv("SMOE_ENGINE_CLUSTER", r.cluster, 1);
+    run_m_once(c, r.label.c_str());
   }
   unsetenv("SMOE_ENGINE_SCHED");
   unsetenv("SMOE_ENGINE_BN_M");
+  unsetenv("SMOE_ENGINE_CLUSTER");
   // The heuristic's own pick (checks expect_bn), as the layer will run it.
   run_m_once(c, eng::choose_varlen_m([&] {
     eng::VarlenMArgs a;
