@@ -87,6 +87,10 @@ struct Choice {
 };
 // SwiGLU and store GEMMs with K up to this run ping-pong by default (engine.cu).
 constexpr int kPingPongMaxK = 2048;
+// 2-CTA clusters (B multicast) by default when one expert's weights exceed this (half the 50 MB
+// L2 of the H100 / H200) and the experts average at least this many rows (engine.cu).
+constexpr int64_t kClusterMinWeightBytes = int64_t{24} << 20;
+constexpr int kClusterMinRowsPerExpert = 512;
 Choice choose_varlen_m(const VarlenMArgs& a, int sm_count);
 Choice choose_varlen_k(const VarlenKArgs& a, int sm_count);
 

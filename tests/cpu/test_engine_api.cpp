@@ -143,6 +143,26 @@ TEST(EngineApi, TileHeuristic) {
   EXPECT_STREQ(eng::choose_varlen_m(a, 132).name, "up_swiglu<256>");
   a.K = 2048;
   EXPECT_STREQ(eng::choose_varlen_m(a, 132).name, "up_swiglu_pp<128>");
+  // Cluster of 2 (B multicast) for experts whose weights outgrow half the L2, given enough rows.
+  a.num_experts = 256;
+  a.rows = 262144;  // 1024 rows per expert
+  a.N = 4096;
+  a.K = 7168;       // 56 MiB of weights per expert
+  EXPECT_STREQ(eng::choose_varlen_m(a, 132).name, "up_swiglu_c2<256>");
+  a.epilogue = eng::Epilogue::kStore;
+  a.N = 7168;
+  a.K = 2048;       // 28 MiB
+  EXPECT_STREQ(eng::choose_varlen_m(a, 132).name, "down_store_pp_c2<192>");
+  a.K = 1536;       // 21 MiB: no cluster
+  EXPECT_STREQ(eng::choose_varlen_m(a, 132).name, "down_store_pp<192>");
+  a.K = 2048;
+  a.rows = 256 * 300;  // 300 rows per expert: pairs of M-tiles would be half idle
+  EXPECT_STREQ(eng::choose_varlen_m(a, 132).name, "down_store_pp<192>");
+  a.num_experts = 8;
+  a.rows = 200000;
+  a.N = 512;
+  a.K = 4096;
+  a.epilogue = eng::Epilogue::kSwiGLU;
   // The switches force an instantiation that exists, and are ignored where none does.
   setenv("SMOE_ENGINE_SCHED", "coop", 1);
   setenv("SMOE_ENGINE_BN_M", "256", 1);
