@@ -4,7 +4,9 @@
 // n0 + 8 j + q (value bit 0 = column + 1, bit 1 = row + 8, the rest = column + 8 j). Each thread
 // keeps two row pointers and addresses every store with a compile-time column offset from them
 // (64 64-bit addresses would not fit next to 128 accumulators). Stores are predicated to the
-// tile's valid rows and columns, so a tile never writes past its expert's last row.
+// tile's valid rows and columns, so a tile never writes past its expert's last row. 2- and 4-byte
+// outputs per lane are first transposed inside the quad so that each lane stores 16 bytes
+// (store_row_16B: full 32-byte sectors); dH (8 bytes per lane, 32 per quad) is stored directly.
 //
 //   EpiStore   D[r][c] = bf16(acc)
 //   EpiSwiGLU  (up-proj, W1 gate/up interleaved, so a column pair is one (g, u) unit j = c / 2):
@@ -53,6 +55,55 @@ constexpr int acc_col_groups() {
   return decltype(size(std::declval<const Accum&>()))::value / 4;
 }
 
+// ---- 16-byte stores from the accumulator layout -------------------------------------------------
+// A quad (4 lanes) holds one row; lane q has columns 8 j + 2 q, + 1 of every group j: a direct
+// store writes 4 bytes per lane, 16 contiguous bytes per quad, so every 32-byte sector a warp
+// touches is half written (ncu: store sectors = 2x the bytes, and the store GEMMs are L2-bound).
+// A 4 x 4 transpose of 32-bit words inside the quad (two xor-butterfly stages, 4 shuffles per 4
+// words) gives lane q all 8 columns of group 4 b + q: one 16-byte store, full sectors.
+
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// w[k] of lane q = M[q][k] on entry, M[k][q] on exit (M: the quad's 4 x 4 words). Every lane of
+// the warp must call it (full-mask shuffles): callers predicate the stores, not the call.
+__device__ __forceinline__ void quad_transpose(uint32_t (&w)[4]) {
+  const int q = static_cast<int>(threadIdx.x) & 3;
+  // Bit 0 of (row, column): lanes q, q ^ 1 swap the words whose column bit 0 differs from q's.
+  const bool b0 = q & 1;
+  CUTE_UNROLL
+  for (int k = 0; k < 4; k += 2) {
+    const uint32_t recv = __shfl_xor_sync(0xffffffffu, b0 ? w[k] : w[k + 1], 1);
+    if (b0) w[k] = recv; else w[k + 1] = recv;
+  }
+  // Bit 1, the same with lanes q, q ^ 2.
+  const bool b1 = q & 2;
+  CUTE_UNROLL
+  for (int k = 0; k < 2; ++k) {
+    const uint32_t recv = __shfl_xor_sync(0xffffffffu, b1 ? w[k] : w[k + 2], 2);
+    if (b1) w[k] = recv; else w[k + 2] = recv;
+  }
+}
+
+// Row h of this thread (columns packed as bf16 pairs by word(j) for every group j): after the
+// quad transposes, one 16-byte store per 4 groups per lane; row/column predicates on the store.
+template <int kGroups, class WordFn>
+__device__ __forceinline__ void store_row_16B(bf16* row, bool row_ok, const TileCtx& t, WordFn word) {
+  static_assert(kGroups % 4 == 0, "16-byte stores: the tile's column groups come in fours");
+  const int q = static_cast<int>(threadIdx.x) & 3;
+  CUTE_UNROLL
+  for (int b = 0; b < kGroups / 4; ++b) {
+    uint32_t w[4];
+    CUTE_UNROLL
+    for (int k = 0; k < 4; ++k) w[k] = word(4 * b + k);
+    quad_transpose(w);
+    const int j = 4 * b + q;
+    if (row_ok && AccPos::col_ok(t, j)) *reinterpret_cast<uint4*>(row + 8 * j) = make_uint4(w[0], w[1], w[2], w[3]);
+  }
+}
+
 // The kernel calls an epilogue in one of two ways: cooperative, pre = prefetch(...) before the
 // mainloop and apply(..., pre) after it; ping-pong, apply_streamed(...) (per 64-row half, inputs
 // loaded as they are used). Epilogues without per-row inputs derive from this (CRTP), which
@@ -86,14 +137,10 @@ struct EpiStore : WithoutPrefetch<EpiStore> {
     const AccPos pos(cd);
     CUTE_UNROLL
     for (int h = 0; h < 2; ++h) {
-      if (!pos.row_ok(t, h)) continue;
-      bf16* row = p.D + (t.row0 + pos.m0 + 8 * h) * p.ld + t.col0 + pos.n0;
-      CUTE_UNROLL
-      for (int j = 0; j < acc_col_groups<Accum>(); ++j)
-        if (AccPos::col_ok(t, j))
-          *reinterpret_cast<__nv_bfloat162*>(row + 8 * j) =
-              t.zero ? __floats2bfloat162_rn(0.f, 0.f)
-                     : __floats2bfloat162_rn(acc(4 * j + 2 * h), acc(4 * j + 2 * h + 1));
+      bf16* row = p.D + (t.row0 + pos.m0 + 8 * h) * p.ld + t.col0;
+      store_row_16B<acc_col_groups<Accum>()>(row, pos.row_ok(t, h), t, [&](int j) {
+        return t.zero ? 0u : pack_bf16x2(acc(4 * j + 2 * h), acc(4 * j + 2 * h + 1));
+      });
     }
   }
 };
@@ -137,20 +184,42 @@ struct EpiSwiGLU : WithoutPrefetch<EpiSwiGLU> {
   };
   template <class Accum, class Coords>
   __device__ static void apply(const Params& p, const Accum& acc, const Coords& cd, const TileCtx& t) {
+    constexpr int G = acc_col_groups<Accum>();
+    static_assert(G % 8 == 0, "SwiGLU: A is stored 8 units (8 groups of H) per lane");
     const AccPos pos(cd);
+    const int q = static_cast<int>(threadIdx.x) & 3;
     CUTE_UNROLL
     for (int h = 0; h < 2; ++h) {
-      if (!pos.row_ok(t, h)) continue;
+      const bool row_ok = pos.row_ok(t, h);
       const int64_t r = t.row0 + pos.m0 + 8 * h;
-      bf16* hrow = p.H + r * p.ld + t.col0 + pos.n0;
-      bf16* arow = p.A + r * (p.ld / 2) + (t.col0 + pos.n0) / 2;
+      // H: the rounded pair of every group, 16-byte stores.
+      store_row_16B<G>(p.H + r * p.ld + t.col0, row_ok, t,
+                       [&](int j) { return pack_bf16x2(acc(4 * j + 2 * h), acc(4 * j + 2 * h + 1)); });
+      // A: lane q's unit of group j is A column col0/2 + 4 j + q, computed from the rounded H
+      // pair. Words P[k] = (unit of group 8 b + 2 k, of 8 b + 2 k + 1); after the quad transpose
+      // lane q holds, from lane s, (column 8 q + s, 8 q + 4 + s) of block b: one byte permute
+      // orders them into 8 consecutive columns.
+      bf16* arow = p.A + r * (p.ld / 2) + t.col0 / 2;
       CUTE_UNROLL
-      for (int j = 0; j < acc_col_groups<Accum>(); ++j) {
-        if (!AccPos::col_ok(t, j)) continue;
-        const __nv_bfloat162 hv = __floats2bfloat162_rn(acc(4 * j + 2 * h), acc(4 * j + 2 * h + 1));
-        *reinterpret_cast<__nv_bfloat162*>(hrow + 8 * j) = hv;
-        const float2 gu = __bfloat1622float2(hv);
-        arow[4 * j] = __float2bfloat16_rn(silu_f(gu.x) * gu.y);
+      for (int b = 0; b < G / 8; ++b) {
+        uint32_t w[4];
+        CUTE_UNROLL
+        for (int k = 0; k < 4; ++k) {
+          float a2[2];
+          CUTE_UNROLL
+          for (int i = 0; i < 2; ++i) {
+            const int j = 8 * b + 2 * k + i;
+            const __nv_bfloat162 hv = __floats2bfloat162_rn(acc(4 * j + 2 * h), acc(4 * j + 2 * h + 1));
+            const float2 gu = __bfloat1622float2(hv);
+            a2[i] = silu_f(gu.x) * gu.y;
+          }
+          w[k] = pack_bf16x2(a2[0], a2[1]);
+        }
+        quad_transpose(w);
+        if (row_ok && AccPos::col_ok(t, 8 * b + 2 * q + 1))
+          *reinterpret_cast<uint4*>(arow + 32 * b + 8 * q) =
+              make_uint4(__byte_perm(w[0], w[1], 0x5410), __byte_perm(w[2], w[3], 0x5410),
+                         __byte_perm(w[0], w[1], 0x7632), __byte_perm(w[2], w[3], 0x7632));
       }
     }
   }
@@ -184,6 +253,10 @@ struct EpiDSwiGLU {
     RowInputs<G> f;
     const AccPos pos(cd);
     f.s = 0.f;
+    // Zeros where nothing is loaded (rows / columns past the tile's end): the epilogue computes on
+    // every lane (quad shuffles), and H = 0 gives a = 0, so no garbage (or Inf / NaN) enters dS.
+    CUTE_UNROLL
+    for (int j = 0; j < G; ++j) f.h[j] = make_uint2(0u, 0u);
     if (!pos.row_ok(t, h)) return f;
     const int64_t r = t.row0 + pos.m0 + 8 * h;
     f.s = __ldg(p.scores + __ldg(p.scatter + r));
@@ -224,17 +297,24 @@ struct EpiDSwiGLU {
   template <class Accum, class Coords, class Row>
   __device__ static void apply_row(const Params& p, const Accum& acc, const Coords& cd, const TileCtx& t, int h,
                                    const Row& f) {
+    constexpr int G = acc_col_groups<Accum>();
     const AccPos pos(cd);
+    const bool row_ok = pos.row_ok(t, h);
+    const int q = static_cast<int>(threadIdx.x) & 3;
+    // Every lane computes (the quad's shuffles need all of them); rows and columns past the tile's
+    // end have H = 0 from load_row, so a = 0 there, and only the stores are predicated.
+    const int64_t r = t.row0 + pos.m0 + 8 * h;
+    const float s = f.s;
+    const int64_t j0 = t.col0 + pos.n0;
+    bf16* dhrow = p.dH + r * 2 * p.ld + 2 * j0;   // 8 bytes per lane and group: full sectors
+    bf16* aprow = p.A_prime + r * p.ld + t.col0;  // A': 16-byte stores after the quad transpose
     float ds = 0.f;
-    if (pos.row_ok(t, h)) {
-      const int64_t r = t.row0 + pos.m0 + 8 * h;
-      const float s = f.s;
-      const int64_t j0 = t.col0 + pos.n0;
-      bf16* dhrow = p.dH + r * 2 * p.ld + 2 * j0;
-      bf16* aprow = p.A_prime + r * p.ld + j0;
+    CUTE_UNROLL
+    for (int b = 0; b < G / 4; ++b) {
+      uint32_t w[4];
       CUTE_UNROLL
-      for (int j = 0; j < acc_col_groups<Accum>(); ++j) {
-        if (!AccPos::col_ok(t, j)) continue;
+      for (int k = 0; k < 4; ++k) {
+        const int j = 4 * b + k;
         union {
           uint2 u;
           __nv_bfloat162 h2[2];
@@ -242,26 +322,29 @@ struct EpiDSwiGLU {
         hv.u = f.h[j];
         float ap[2];
         CUTE_UNROLL
-        for (int q = 0; q < 2; ++q) {
-          const float2 gu = __bfloat1622float2(hv.h2[q]);
+        for (int qq = 0; qq < 2; ++qq) {
+          const float2 gu = __bfloat1622float2(hv.h2[qq]);
           const float sig = 1.f / (1.f + __expf(-gu.x));
           const float sl = gu.x * sig;
           const float a = sl * gu.y;
-          const float da_prime = acc(4 * j + 2 * h + q);
+          const float da_prime = acc(4 * j + 2 * h + qq);
           ds += da_prime * a;
           const float dA = s * da_prime;
-          dh.h2[q] = __floats2bfloat162_rn(dA * gu.y * (sig + sl * (1.f - sig)), dA * sl);
-          ap[q] = s * a;
+          dh.h2[qq] = __floats2bfloat162_rn(dA * gu.y * (sig + sl * (1.f - sig)), dA * sl);
+          ap[qq] = s * a;
         }
-        *reinterpret_cast<uint2*>(dhrow + 16 * j) = dh.u;
-        *reinterpret_cast<__nv_bfloat162*>(aprow + 8 * j) = __floats2bfloat162_rn(ap[0], ap[1]);
+        if (row_ok && AccPos::col_ok(t, j)) *reinterpret_cast<uint2*>(dhrow + 16 * j) = dh.u;
+        w[k] = pack_bf16x2(ap[0], ap[1]);
       }
+      quad_transpose(w);
+      const int jq = 4 * b + q;
+      if (row_ok && AccPos::col_ok(t, jq))
+        *reinterpret_cast<uint4*>(aprow + 8 * jq) = make_uint4(w[0], w[1], w[2], w[3]);
     }
     // The 4 lanes of a quad hold one row: fixed butterfly, lane 0 of the quad writes.
     ds += __shfl_xor_sync(0xffffffffu, ds, 1);
     ds += __shfl_xor_sync(0xffffffffu, ds, 2);
-    if ((threadIdx.x % 4) == 0 && pos.row_ok(t, h))
-      p.ds_partial[(t.row0 + pos.m0 + 8 * h) * p.n_tiles + t.n_tile] = ds;
+    if (q == 0 && row_ok) p.ds_partial[r * p.n_tiles + t.n_tile] = ds;
   }
 };
 
