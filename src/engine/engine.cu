@@ -65,6 +65,14 @@ ForcedSched forced_sched() {
   return ForcedSched::kNone;
 }
 
+// SMOE_ENGINE_PP_MAX_K: the K up to which SwiGLU / store GEMMs run ping-pong (default
+// kPingPongMaxK), for measuring the heuristic's threshold.
+int pingpong_max_k() {
+  const char* v = std::getenv("SMOE_ENGINE_PP_MAX_K");
+  if (v == nullptr) return kPingPongMaxK;
+  return std::atoi(v);
+}
+
 int forced_cluster() {
   const char* v = std::getenv("SMOE_ENGINE_CLUSTER");
   if (v == nullptr) return 0;
@@ -140,7 +148,7 @@ Choice choose_varlen_m(const VarlenMArgs& a, int sm_count) {
   // the epilogue is long next to the mainloop: every dA' (dSwiGLU: H loads, dH, A', dS per
   // element), and SwiGLU / store GEMMs with K <= kPingPongMaxK (K = n or 2n, or a short d);
   // cooperative 128 x 256 on long-K GEMMs, where the operand traffic is what limits.
-  bool pp = a.epilogue == Epilogue::kDSwiGLU || a.K <= kPingPongMaxK;
+  bool pp = a.epilogue == Epilogue::kDSwiGLU || a.K <= pingpong_max_k();
   const ForcedSched fs = forced_sched();
   if (fs != ForcedSched::kNone) pp = fs == ForcedSched::kPingPong;
   const int forced = forced_bn("SMOE_ENGINE_BN_M");
