@@ -176,6 +176,10 @@ struct MoESavedView {
 };
 MoESavedView moe_saved_state_view(const MoEShape& shape, void* saved);
 
+// Buffers of one call must not alias: every output (forward: out, saved, workspace, status;
+// backward: dx, dw_router, dw1, dw2, workspace) is disjoint from every input and from the other
+// outputs over the byte ranges the shape (and saved_bytes / workspace_bytes) give them, or the call
+// fails with kInvalidArgument naming both, before anything runs.
 struct MoEForwardArgs {
   MoEShape shape;
   const bf16* x = nullptr;  // [T][d], must stay unchanged until backward

@@ -30,6 +30,20 @@ Status moe_backward(const MoEBackwardArgs& a, cudaStream_t stream) {
   SMOE_RETURN_IF_ERROR(detail::check_ptr(a.dw_router, fn, "dw_router", 16));
   SMOE_RETURN_IF_ERROR(detail::check_ptr(a.dw1, fn, "dw1", 16));
   SMOE_RETURN_IF_ERROR(detail::check_ptr(a.dw2, fn, "dw2", 16));
+  const layer::TensorBytes tb(s);
+  SMOE_RETURN_IF_ERROR(layer::check_disjoint(
+      fn,
+      {{a.dx, tb.tokens, "dx"},
+       {a.dw_router, tb.router, "dw_router"},
+       {a.dw1, tb.w1, "dw1"},
+       {a.dw2, tb.w2, "dw2"},
+       {a.workspace, a.workspace_bytes, "workspace"}},
+      {{a.x, tb.tokens, "x"},
+       {a.weights.w_router, tb.router, "weights.w_router"},
+       {a.weights.w1, tb.w1, "weights.w1"},
+       {a.weights.w2, tb.w2, "weights.w2"},
+       {a.dout, tb.tokens, "dout"},
+       {a.saved, a.saved_bytes, "saved"}}));
   int sms = 0;
   SMOE_RETURN_IF_ERROR(layer::sm_count(&sms));
   const plan::BackwardWs w = plan::backward_ws(s, a.workspace, sms);

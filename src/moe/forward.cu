@@ -23,6 +23,17 @@ Status moe_forward(const MoEForwardArgs& a, cudaStream_t stream) {
   const plan::ForwardWs w = plan::forward_ws(s, a.workspace);
   SMOE_RETURN_IF_ERROR(layer::check_buffer(a.workspace, a.workspace_bytes, w.total, fn, "workspace",
                                            "workspace_bytes", "moe_forward_workspace_size"));
+  const layer::TensorBytes tb(s);
+  SMOE_RETURN_IF_ERROR(layer::check_disjoint(
+      fn,
+      {{a.out, tb.tokens, "out"},
+       {a.saved, a.saved_bytes, "saved"},
+       {a.workspace, a.workspace_bytes, "workspace"},
+       {a.status, sizeof(DeviceStatus), "status"}},
+      {{a.x, tb.tokens, "x"},
+       {a.weights.w_router, tb.router, "weights.w_router"},
+       {a.weights.w1, tb.w1, "weights.w1"},
+       {a.weights.w2, tb.w2, "weights.w2"}}));
   int sms = 0;
   SMOE_RETURN_IF_ERROR(layer::sm_count(&sms));
   const MoESavedView sv = moe_saved_state_view(s, a.saved);

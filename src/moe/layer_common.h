@@ -2,6 +2,8 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
+#include <initializer_list>
 
 #include "common/check.h"
 #include "smoe/smoe.h"
@@ -30,6 +32,49 @@ inline Status check_common(const char* fn, const MoEShape& s, const bf16* x, con
   return check_buffer(saved, saved_bytes, moe_saved_state_size(s), fn, "saved", "saved_bytes",
                       "moe_saved_state_size");
 }
+
+// A caller buffer as a byte range, for the aliasing rule below.
+struct Span {
+  const void* p;
+  size_t bytes;
+  const char* name;
+};
+
+// Outputs must not overlap an input or each other: an alias would silently change results (dw1 ==
+// w1 overwrites weights the same backward still reads; out == x, saved inside the workspace, ...).
+// Spans of 0 bytes (T = 0) cannot overlap anything. Host arithmetic only: runs before any CUDA call.
+inline Status check_disjoint(const char* fn, std::initializer_list<Span> outputs, std::initializer_list<Span> inputs) {
+  auto overlap = [](const Span& a, const Span& b) {
+    if (a.bytes == 0 || b.bytes == 0) return false;
+    const uintptr_t a0 = reinterpret_cast<uintptr_t>(a.p), b0 = reinterpret_cast<uintptr_t>(b.p);
+    return a0 - b0 < b.bytes || b0 - a0 < a.bytes;  // unsigned: a0 in [b0, b0 + b) or b0 in [a0, a0 + a)
+  };
+  auto fail = [&](const Span& o, const Span& other) {
+    return detail::make_status(StatusCode::kInvalidArgument,
+                               detail::concat(fn, ": ", o.name, " (", o.bytes, " bytes) overlaps ", other.name, " (",
+                                              other.bytes, " bytes): outputs must not alias inputs or each other"));
+  };
+  for (auto o = outputs.begin(); o != outputs.end(); ++o) {
+    for (auto o2 = o + 1; o2 != outputs.end(); ++o2)
+      if (overlap(*o, *o2)) return fail(*o, *o2);
+    for (const Span& in : inputs)
+      if (overlap(*o, in)) return fail(*o, in);
+  }
+  return Status{};
+}
+
+// Bytes of the layer's tensors (the shape passed moe_can_implement, so no product overflows).
+struct TensorBytes {
+  size_t tokens;    // x, out, dout, dx: [T][d]
+  size_t router;    // [E][d]
+  size_t w1;        // [E][2n][d]
+  size_t w2;        // [E][d][n]
+  explicit TensorBytes(const MoEShape& s)
+      : tokens(static_cast<size_t>(s.T) * s.d * 2),
+        router(static_cast<size_t>(s.E) * s.d * 2),
+        w1(static_cast<size_t>(s.E) * 2 * s.n * s.d * 2),
+        w2(static_cast<size_t>(s.E) * s.d * s.n * 2) {}
+};
 
 // SMs of the current device (the persistent GEMMs' grid); fails unless it is a Hopper (sm_90)
 // GPU, the only target the kernels are built for (a launch elsewhere would fail less clearly).

@@ -144,36 +144,39 @@ TEST(StatusNames, AllCodesNamed) {
 // case must be rejected with its own code and argument name BEFORE any CUDA call (a call that got
 // as far as the device would report kCudaError here, where there is none).
 namespace {
+// Buffers 4 GiB apart (kSlot * i): disjoint for every shape used here, so that only the
+// mutation under test breaks a rule (outputs may not overlap inputs or each other).
+constexpr uintptr_t kSlot = uintptr_t{1} << 32;
 smoe::MoEForwardArgs good_forward(const smoe::MoEShape& s) {
   smoe::MoEForwardArgs a;
   a.shape = s;
-  a.x = fake<const smoe::bf16>(0x100000);
-  a.weights.w_router = fake<const smoe::bf16>(0x200000);
-  a.weights.w1 = fake<const smoe::bf16>(0x300000);
-  a.weights.w2 = fake<const smoe::bf16>(0x400000);
-  a.out = fake<smoe::bf16>(0x500000);
-  a.saved = fake<void>(0x600000);
+  a.x = fake<const smoe::bf16>(1 * kSlot);
+  a.weights.w_router = fake<const smoe::bf16>(2 * kSlot);
+  a.weights.w1 = fake<const smoe::bf16>(3 * kSlot);
+  a.weights.w2 = fake<const smoe::bf16>(4 * kSlot);
+  a.out = fake<smoe::bf16>(5 * kSlot);
+  a.saved = fake<void>(6 * kSlot);
   a.saved_bytes = smoe::moe_saved_state_size(s);
-  a.workspace = fake<void>(0x700000);
+  a.workspace = fake<void>(7 * kSlot);
   a.workspace_bytes = smoe::moe_forward_workspace_size(s);
-  a.status = fake<smoe::DeviceStatus>(0x800000);
+  a.status = fake<smoe::DeviceStatus>(8 * kSlot);
   return a;
 }
 smoe::MoEBackwardArgs good_backward(const smoe::MoEShape& s) {
   smoe::MoEBackwardArgs a;
   a.shape = s;
-  a.x = fake<const smoe::bf16>(0x100000);
-  a.weights.w_router = fake<const smoe::bf16>(0x200000);
-  a.weights.w1 = fake<const smoe::bf16>(0x300000);
-  a.weights.w2 = fake<const smoe::bf16>(0x400000);
-  a.dout = fake<const smoe::bf16>(0x500000);
-  a.saved = fake<const void>(0x600000);
+  a.x = fake<const smoe::bf16>(1 * kSlot);
+  a.weights.w_router = fake<const smoe::bf16>(2 * kSlot);
+  a.weights.w1 = fake<const smoe::bf16>(3 * kSlot);
+  a.weights.w2 = fake<const smoe::bf16>(4 * kSlot);
+  a.dout = fake<const smoe::bf16>(5 * kSlot);
+  a.saved = fake<const void>(6 * kSlot);
   a.saved_bytes = smoe::moe_saved_state_size(s);
-  a.dx = fake<smoe::bf16>(0x900000);
-  a.dw_router = fake<smoe::bf16>(0xa00000);
-  a.dw1 = fake<smoe::bf16>(0xb00000);
-  a.dw2 = fake<smoe::bf16>(0xc00000);
-  a.workspace = fake<void>(0x700000);
+  a.dx = fake<smoe::bf16>(9 * kSlot);
+  a.dw_router = fake<smoe::bf16>(10 * kSlot);
+  a.dw1 = fake<smoe::bf16>(11 * kSlot);
+  a.dw2 = fake<smoe::bf16>(12 * kSlot);
+  a.workspace = fake<void>(7 * kSlot);
   a.workspace_bytes = 1 << 30;
   return a;
 }
@@ -190,16 +193,21 @@ TEST(LayerValidation, ForwardArgumentsRejectedBeforeAnyCudaCall) {
   const Case cases[] = {
       {"d = 96", [](smoe::MoEForwardArgs* a) { a->shape.d = 96; }, C::kInvalidArgument},
       {"x is null", [](smoe::MoEForwardArgs* a) { a->x = nullptr; }, C::kInvalidArgument},
-      {"x = ", [](smoe::MoEForwardArgs* a) { a->x = fake<const smoe::bf16>(0x100002); }, C::kMisalignedPointer},
+      {"x = ", [](smoe::MoEForwardArgs* a) { a->x = fake<const smoe::bf16>(1 * kSlot + 2); }, C::kMisalignedPointer},
       {"weights.w_router is null", [](smoe::MoEForwardArgs* a) { a->weights.w_router = nullptr; }, C::kInvalidArgument},
-      {"weights.w1 = ", [](smoe::MoEForwardArgs* a) { a->weights.w1 = fake<const smoe::bf16>(0x300008); }, C::kMisalignedPointer},
+      {"weights.w1 = ", [](smoe::MoEForwardArgs* a) { a->weights.w1 = fake<const smoe::bf16>(3 * kSlot + 8); }, C::kMisalignedPointer},
       {"weights.w2 is null", [](smoe::MoEForwardArgs* a) { a->weights.w2 = nullptr; }, C::kInvalidArgument},
       {"saved is null", [](smoe::MoEForwardArgs* a) { a->saved = nullptr; }, C::kInvalidArgument},
       {"saved_bytes", [](smoe::MoEForwardArgs* a) { a->saved_bytes -= 1; }, C::kWorkspaceTooSmall},
       {"out is null", [](smoe::MoEForwardArgs* a) { a->out = nullptr; }, C::kInvalidArgument},
       {"status is null", [](smoe::MoEForwardArgs* a) { a->status = nullptr; }, C::kInvalidArgument},
-      {"workspace = ", [](smoe::MoEForwardArgs* a) { a->workspace = fake<void>(0x700080); }, C::kMisalignedPointer},
+      {"workspace = ", [](smoe::MoEForwardArgs* a) { a->workspace = fake<void>(7 * kSlot + 0x80); }, C::kMisalignedPointer},
       {"workspace_bytes", [](smoe::MoEForwardArgs* a) { a->workspace_bytes -= 1; }, C::kWorkspaceTooSmall},
+      // Aliasing: an output on an input, on another output, or a partial overlap by one element.
+      {"out (1024000 bytes) overlaps x", [](smoe::MoEForwardArgs* a) { a->out = const_cast<smoe::bf16*>(a->x); }, C::kInvalidArgument},
+      {"out (1024000 bytes) overlaps weights.w2", [](smoe::MoEForwardArgs* a) { a->out = fake<smoe::bf16>(4 * kSlot - 1024000 + 16); }, C::kInvalidArgument},
+      {"saved", [](smoe::MoEForwardArgs* a) { a->saved = static_cast<char*>(a->workspace) + 1024; }, C::kInvalidArgument},
+      {"status", [](smoe::MoEForwardArgs* a) { a->status = fake<smoe::DeviceStatus>(5 * kSlot + 64); }, C::kInvalidArgument},
   };
   for (const Case& c : cases) {
     smoe::MoEForwardArgs a = good_forward(s);
@@ -222,11 +230,16 @@ TEST(LayerValidation, BackwardArgumentsRejectedBeforeAnyCudaCall) {
       {"weights.w1 is null", [](smoe::MoEBackwardArgs* a) { a->weights.w1 = nullptr; }, C::kInvalidArgument},
       {"saved_bytes", [](smoe::MoEBackwardArgs* a) { a->saved_bytes = 64; }, C::kWorkspaceTooSmall},
       {"dout is null", [](smoe::MoEBackwardArgs* a) { a->dout = nullptr; }, C::kInvalidArgument},
-      {"dout = ", [](smoe::MoEBackwardArgs* a) { a->dout = fake<const smoe::bf16>(0x500004); }, C::kMisalignedPointer},
+      {"dout = ", [](smoe::MoEBackwardArgs* a) { a->dout = fake<const smoe::bf16>(5 * kSlot + 4); }, C::kMisalignedPointer},
       {"dx is null", [](smoe::MoEBackwardArgs* a) { a->dx = nullptr; }, C::kInvalidArgument},
       {"dw_router is null", [](smoe::MoEBackwardArgs* a) { a->dw_router = nullptr; }, C::kInvalidArgument},
-      {"dw1 = ", [](smoe::MoEBackwardArgs* a) { a->dw1 = fake<smoe::bf16>(0xb00002); }, C::kMisalignedPointer},
+      {"dw1 = ", [](smoe::MoEBackwardArgs* a) { a->dw1 = fake<smoe::bf16>(11 * kSlot + 2); }, C::kMisalignedPointer},
       {"dw2 is null", [](smoe::MoEBackwardArgs* a) { a->dw2 = nullptr; }, C::kInvalidArgument},
+      {"dw1 (8388608 bytes) overlaps weights.w1", [](smoe::MoEBackwardArgs* a) { a->dw1 = const_cast<smoe::bf16*>(a->weights.w1); }, C::kInvalidArgument},
+      {"dx (1024000 bytes) overlaps dout", [](smoe::MoEBackwardArgs* a) { a->dx = const_cast<smoe::bf16*>(a->dout); }, C::kInvalidArgument},
+      {"dw_router", [](smoe::MoEBackwardArgs* a) { a->dw_router = a->dw2 + 64; }, C::kInvalidArgument},
+      {"workspace", [](smoe::MoEBackwardArgs* a) { a->workspace = const_cast<void*>(a->saved); }, C::kInvalidArgument},
+      {"dx (1024000 bytes) overlaps x", [](smoe::MoEBackwardArgs* a) { a->dx = fake<smoe::bf16>(1 * kSlot + 1024000 - 16); }, C::kInvalidArgument},
   };
   for (const Case& c : cases) {
     smoe::MoEBackwardArgs a = good_backward(s);
