@@ -225,11 +225,18 @@ Status routing_can_implement(const RoutingProblem& p) {
   return Status{};
 }
 
-size_t routing_workspace_size(const RoutingProblem& p) {
-  if (!routing_can_implement(p).ok()) return 0;
+Status routing_workspace_size(const RoutingProblem& p, size_t* bytes) {
+  SMOE_RETURN_IF_ERROR(detail::check_ptr(bytes, "routing_workspace_size", "bytes", 1));
+  SMOE_RETURN_IF_ERROR(routing_can_implement(p));
   RoutingWorkspace ws;
-  if (!plan_workspace(p, &ws).ok()) return 0;
-  return ws.total;
+  SMOE_RETURN_IF_ERROR(plan_workspace(p, &ws));
+  *bytes = ws.total;
+  return Status{};
+}
+
+size_t routing_workspace_size(const RoutingProblem& p) {
+  size_t bytes = 0;
+  return routing_workspace_size(p, &bytes).ok() ? bytes : 0;
 }
 
 Status topk_routing(const RoutingProblem& p, const void* logits, const RoutingOutputs& o,

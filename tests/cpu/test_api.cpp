@@ -107,6 +107,26 @@ TEST(LayerValidation, ShapeRules) {
   EXPECT_LE(saved, plan + 64.0 * s.T * s.K + 1e5);
 }
 
+// The size query with a reason: a valid problem either gets its bytes or, where CUB's query cannot
+// reach a GPU (CI's machines), kCudaError, never a silent 0; T*K = 0 needs 0 bytes on any machine.
+TEST(RoutingValidation, WorkspaceSizeReportsWhy) {
+  size_t bytes = 777;
+  const smoe::Status st = smoe::routing_workspace_size(problem(4096, 64, 8), &bytes);
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    EXPECT_EQ(st.code, smoe::StatusCode::kCudaError) << st.message;
+    EXPECT_EQ(bytes, 777u);
+    EXPECT_EQ(smoe::routing_workspace_size(problem(4096, 64, 8)), 0u);
+  } else {
+    ASSERT_TRUE(st.ok()) << st.message;
+    EXPECT_GT(bytes, 0u);
+    EXPECT_EQ(bytes, smoe::routing_workspace_size(problem(4096, 64, 8)));
+  }
+  ASSERT_TRUE(smoe::routing_workspace_size(problem(0, 64, 8), &bytes).ok());
+  EXPECT_EQ(bytes, 0u);
+  expect_error(smoe::routing_workspace_size(problem(10, 64, 8), nullptr), smoe::StatusCode::kInvalidArgument, "bytes");
+}
+
 // Products that overflow 64 bits must not wrap into a small, accepted value (T = 2^62 + 16 with
 // K = 4 wrapped to T*K = 64 before the checked arithmetic), and the size queries must say 0.
 TEST(LayerValidation, OverflowingProductsRejected) {
@@ -115,6 +135,9 @@ TEST(LayerValidation, OverflowingProductsRejected) {
   EXPECT_EQ(st.code, smoe::StatusCode::kInvalidArgument);
   EXPECT_NE(st.message.find("T*K"), std::string::npos) << st.message;
   EXPECT_EQ(smoe::routing_workspace_size(rp), 0u);
+  size_t bytes = 12345;
+  expect_error(smoe::routing_workspace_size(rp, &bytes), smoe::StatusCode::kInvalidArgument, "T*K");
+  EXPECT_EQ(bytes, 12345u) << "bytes must be left alone on error";
 
   smoe::MoEShape s{(int64_t{1} << 62) + 16, 64, 64, 8, 4};
   st = smoe::moe_can_implement(s);
