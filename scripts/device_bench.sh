@@ -29,3 +29,5 @@ if [ -z "$ONLY" ]; then
   python3 bench/merge_results.py --ours "$OUT/sweep_ours.json" --torch "$OUT/sweep_torch.json" \
     --out "$OUT/sweep.json" --md "$OUT/sweep.md"
 fi
+# The device tool brings back at most 8 files from $OUT: one archive carries every result and log.
+tar czf "$OUT/device_bench.tgz" -C "$OUT" $(cd "$OUT" && ls *.json *.md *.log 2>/dev/null) 2>/dev/null || true

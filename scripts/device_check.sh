@@ -53,3 +53,5 @@ for k in memcheck racecheck; do [ -f "$OUT/$k.log" ] && grep -hE "ERROR SUMMARY|
 [ -f "$OUT/ctest.log" ] && { echo "---- ctest ----"; tail -8 "$OUT/ctest.log"; }
 echo "==== summary ===="
 for k in "${!result[@]}"; do printf "%-10s %s\n" "$k" "${result[$k]}"; done
+# The device tool brings back at most 8 files from $OUT: one archive carries every log.
+tar czf "$OUT/device_check_logs.tgz" -C "$OUT" $(cd "$OUT" && ls *.log 2>/dev/null) 2>/dev/null || true
