@@ -13,7 +13,7 @@
 //     N % 256 == 0 and E * M/128 * N/256 still gives >= 2 waves, else 128.
 #include <cstdio>
 #include <cstdlib>
-#include <string>
+#include <cstring>
 #include <type_traits>
 
 #include "common/check.h"
@@ -59,9 +59,8 @@ enum class ForcedSched { kNone, kCoop, kPingPong };
 ForcedSched forced_sched() {
   const char* v = std::getenv("SMOE_ENGINE_SCHED");
   if (v == nullptr) return ForcedSched::kNone;
-  const std::string s(v);
-  if (s == "coop") return ForcedSched::kCoop;
-  if (s == "pingpong") return ForcedSched::kPingPong;
+  if (std::strcmp(v, "coop") == 0) return ForcedSched::kCoop;
+  if (std::strcmp(v, "pingpong") == 0) return ForcedSched::kPingPong;
   return ForcedSched::kNone;
 }
 
@@ -116,21 +115,20 @@ const Entry<VarlenKArgs> kTableK[] = {
 #undef SMOE_ENGINE_INSTANCE
 
 template <class Args, size_t N>
-const Entry<Args>* find(const Entry<Args> (&table)[N], const std::string& label) {
+const Entry<Args>* find(const Entry<Args> (&table)[N], const char* label) {
   for (const auto& e : table)
-    if (e.label != nullptr && label == e.label) return &e;
+    if (e.label != nullptr && std::strcmp(label, e.label) == 0) return &e;
   return nullptr;
 }
 
 // "kind[_pp][_c2]<BN>" of an instantiation, as CMakeLists.txt labels it; nullptr if not built.
 const char* varlen_m_label(Epilogue epi, WeightMajor major, bool pp, int cluster, int bn) {
-  std::string l = epi == Epilogue::kSwiGLU    ? "up_swiglu"
-                  : epi == Epilogue::kDSwiGLU ? "da_dswiglu"
-                  : major == WeightMajor::kNK ? "down_store"
-                                              : "dx_store";
-  if (pp) l += "_pp";
-  if (cluster > 1) l += "_c" + std::to_string(cluster);
-  l += "<" + std::to_string(bn) + ">";
+  const char* kind = epi == Epilogue::kSwiGLU    ? "up_swiglu"
+                     : epi == Epilogue::kDSwiGLU ? "da_dswiglu"
+                     : major == WeightMajor::kNK ? "down_store"
+                                                 : "dx_store";
+  char l[48];  // on the stack: this runs on every GEMM call
+  std::snprintf(l, sizeof(l), "%s%s%s<%d>", kind, pp ? "_pp" : "", cluster > 1 ? "_c2" : "", bn);
   const Entry<VarlenMArgs>* e = find(kTableM, l);
   return e ? e->label : nullptr;
 }
@@ -174,8 +172,12 @@ Choice choose_varlen_m(const VarlenMArgs& a, int sm_count) {
   const bool big_weights = weight_bytes > kClusterMinWeightBytes && a.rows >= int64_t{kClusterMinRowsPerExpert} * a.num_experts;
   const int fc = forced_cluster();
   int cluster = fc ? fc : big_weights ? 2 : 1;
-  if (cluster > 1 && varlen_m_label(a.epilogue, a.b_major, pp, cluster, bn) == nullptr) cluster = 1;
-  return {bn, pp, cluster, varlen_m_label(a.epilogue, a.b_major, pp, cluster, bn)};
+  const char* name = varlen_m_label(a.epilogue, a.b_major, pp, cluster, bn);
+  if (name == nullptr && cluster > 1) {  // no clustered twin of this tile / schedule
+    cluster = 1;
+    name = varlen_m_label(a.epilogue, a.b_major, pp, cluster, bn);
+  }
+  return {bn, pp, cluster, name};
 }
 
 // A gather_q call (Q gathered, P contiguous, D [E][M][N]) runs as its transpose: P' = Q gathered,

@@ -8,8 +8,6 @@
 namespace smoe {
 namespace engine {
 
-constexpr int kDSwiGLUTileN = 128;
-
 inline EpiStore::Params epi_params(EpiStore*, const VarlenMArgs& a, int) { return {a.D, a.N}; }
 inline EpiSwiGLU::Params epi_params(EpiSwiGLU*, const VarlenMArgs& a, int) { return {a.D, a.D2, a.N}; }
 inline EpiDSwiGLU::Params epi_params(EpiDSwiGLU*, const VarlenMArgs& a, int n_tiles) {

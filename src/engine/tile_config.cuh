@@ -30,7 +30,6 @@ using Bf16 = cutlass::bfloat16_t;
 constexpr int kThreads = 384;
 constexpr int kProducerThreads = 128;
 constexpr int kConsumerThreads = 256;
-constexpr int kConsumerWarps = kConsumerThreads / 32;
 constexpr int kSmemLimit = 227 * 1024;  // sm_90 opt-in dynamic shared memory per block
 
 template <GMMA::Major kMajor, int Rows, int BK, int Stages>
