@@ -111,9 +111,21 @@ std::vector<Config> load_configs(const std::string& path) {
   return out;
 }
 
-Result run_layer(const Config& c, int warmup, int reps) {
+Result run_layer(const Config& c, int warmup, int reps, const std::string& router) {
   Result r;
-  const smoe::MoEShape s{c.T, c.d, c.n, c.E, c.K};
+  r.router = router;
+  smoe::MoEShape s{c.T, c.d, c.n, c.E, c.K};
+  if (router != "topk") {
+    const char* modes[] = {"nr", "up", "down", "sr"};
+    int m = 0;
+    while (m < 4 && router != modes[m]) ++m;
+    if (m == 4) {
+      r.error = "unknown router " + router + " (topk, nr, up, down, sr)";
+      return r;
+    }
+    s.router = smoe::MoERouter::kTokenRounding;
+    s.rounding = static_cast<smoe::TokenRoundingMode>(m);
+  }
   smoe::Status ok = smoe::moe_can_implement(s);
   if (!ok.ok()) {
     r.error = ok.message;
@@ -233,6 +245,14 @@ Result run_layer(const Config& c, int warmup, int reps) {
   smoe::profile::set_recorder(nullptr);
   smoe::DeviceStatus hs;
   BENCH_CUDA(cudaMemcpy(&hs, st, sizeof hs, cudaMemcpyDeviceToHost));
+  // Rows the GEMMs ran and their tile waste, from the last forward's routing.
+  std::vector<int32_t> freq(static_cast<size_t>(c.E));
+  BENCH_CUDA(cudaMemcpy(freq.data(), smoe::moe_saved_state_view(s, saved).expert_frequency, freq.size() * 4,
+                        cudaMemcpyDeviceToHost));
+  for (int32_t f : freq) {
+    r.rows += f;
+    r.tile_rows += (f + 127) / 128 * 128;
+  }
   cudaEventDestroy(a);
   cudaEventDestroy(z);
   cleanup();
@@ -255,16 +275,18 @@ Result run_layer(const Config& c, int warmup, int reps) {
 
 void print_table(const std::vector<Config>& cs, const std::vector<Result>& rs) {
   if (rs.size() < cs.size()) return;
-  std::printf("\n%-20s %8s %8s %7s %7s %7s %9s %9s\n", "config", "fwd ms", "bwd ms", "fwd TF", "bwd TF",
-              "tot TF", "held GB", "plan GB");
+  std::printf("\n%-20s %8s %8s %7s %7s %7s %9s %9s %6s %10s %6s\n", "config", "fwd ms", "bwd ms", "fwd TF", "bwd TF",
+              "tot TF", "held GB", "plan GB", "router", "rows", "waste");
   for (size_t i = 0; i < cs.size(); ++i) {
     const Result& r = rs[i];
     if (!r.error.empty()) {
       std::printf("%-20s error: %s\n", cs[i].name.c_str(), r.error.c_str());
       continue;
     }
-    std::printf("%-20s %8.3f %8.3f %7.1f %7.1f %7.1f %9.3f %9.3f\n", cs[i].name.c_str(), r.fwd_ms, r.bwd_ms,
-                r.fwd_tflops, r.bwd_tflops, r.total_tflops, r.held_bytes / 1e9, r.plan_bytes / 1e9);
+    std::printf("%-20s %8.3f %8.3f %7.1f %7.1f %7.1f %9.3f %9.3f %6s %10lld %5.1f%%\n", cs[i].name.c_str(), r.fwd_ms,
+                r.bwd_ms, r.fwd_tflops, r.bwd_tflops, r.total_tflops, r.held_bytes / 1e9, r.plan_bytes / 1e9,
+                r.router.c_str(), static_cast<long long>(r.rows),
+                r.tile_rows ? 100.0 * (1.0 - static_cast<double>(r.rows) / r.tile_rows) : 0.0);
   }
   std::printf("\nper-stage median ms:\n");
   for (size_t i = 0; i < cs.size(); ++i) {
@@ -303,7 +325,8 @@ std::string to_json(const std::vector<Config>& cs, const std::vector<Result>& rs
         << ", \"bwd_tflops\": " << r.bwd_tflops << ", \"total_tflops\": " << r.total_tflops
         << ", \"held_bytes\": " << r.held_bytes << ", \"plan_bytes\": " << r.plan_bytes
         << ", \"fwd_workspace_bytes\": " << r.fwd_workspace_bytes << ", \"bwd_workspace_bytes\": "
-        << r.bwd_workspace_bytes << "}},\n     \"kernels\": {";
+        << r.bwd_workspace_bytes << ", \"router\": \"" << r.router << "\", \"rows\": " << r.rows
+        << ", \"tile_rows\": " << r.tile_rows << "}},\n     \"kernels\": {";
       for (size_t k = 0; k < r.kernels_ms.size(); ++k)
         o << (k ? ", " : "") << "\"" << r.kernels_ms[k].first << "_ms\": " << r.kernels_ms[k].second;
       o << "}}";

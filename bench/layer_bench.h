@@ -24,10 +24,14 @@ struct Result {
   std::string error;  // empty on success
   double fwd_ms = 0, bwd_ms = 0, fwd_tflops = 0, bwd_tflops = 0, total_tflops = 0;
   int64_t held_bytes = 0, plan_bytes = 0, fwd_workspace_bytes = 0, bwd_workspace_bytes = 0;
+  std::string router = "topk";  // topk | nr | up | down | sr (token rounding modes)
+  int64_t rows = 0;             // grouped rows the GEMMs computed (T*K for top-K)
+  int64_t tile_rows = 0;        // rows rounded up to the 128-row tile per expert: tile waste = 1 - rows/tile_rows
   std::vector<std::pair<std::string, double>> kernels_ms;  // median per stage, in order
 };
 
-Result run_layer(const Config& c, int warmup, int reps);
+// router: "topk" (default) or a token-rounding mode "nr", "up", "down", "sr".
+Result run_layer(const Config& c, int warmup, int reps, const std::string& router = "topk");
 
 void print_table(const std::vector<Config>& cs, const std::vector<Result>& rs);
 // driver: the driver version string (nvidia-smi's driver_version), passed in by the caller.

@@ -100,6 +100,16 @@ double uniform01(uint64_t seed, int expert);
 GeneralRouting token_rounding_ref(const std::vector<double>& logits, int64_t T, int E, int K,
                                   int m_tile, RoundingMode mode, uint64_t seed);
 
+// Router backward of token-rounded routing: tr = token_rounding_ref(logits, ...), topk = the top-K
+// routing it started from, dS[j] = dL/dscore of entry j of tr. A kept chosen entry's score is the
+// softmax over the token's K chosen logits (a chosen entry that rounding dropped still shares that
+// softmax, with dS = 0); a padded entry's score is S_e = softmax over all E, so it adds
+// dS_p S_e (delta_ej - S_j) to dlogit_j for every j. Returns dlogits [T][E].
+std::vector<double> token_rounding_router_backward_ref(const std::vector<double>& logits,
+                                                       const TopKRouting& topk,
+                                                       const GeneralRouting& tr,
+                                                       const std::vector<double>& dS);
+
 // ---------------------------------------------------------------------------------------------
 // MoE layer with SwiGLU experts
 // ---------------------------------------------------------------------------------------------
@@ -158,6 +168,7 @@ ExpertGrads experts_backward_sonic_ref(const std::vector<double>& x, const std::
 struct LayerForward {
   std::vector<double> logits;  // [T][E]
   TopKRouting routing;
+  bool token_rounding = false;  // general = token_rounding_ref(logits, ...) instead of top-K
   GeneralRouting general;
   RoutingMetadata meta;
   ExpertForward experts;
@@ -168,7 +179,7 @@ struct LayerGrads {
   std::vector<double> dw_router;  // [E][d]
   std::vector<double> dw1;       // [E][2n][d]
   std::vector<double> dw2;       // [E][d][n]
-  std::vector<double> ds;        // [T*K]
+  std::vector<double> ds;        // [T*K] (by entry of the general routing with token rounding)
   std::vector<double> dlogits;   // [T][E]
 };
 
@@ -176,6 +187,11 @@ enum class BackwardMethod { kChainRule, kSonic };
 
 LayerForward layer_forward_ref(const std::vector<double>& x, const MoEShape& s,
                                const MoEWeights& w);
+// The layer with token rounding after the top-K (SonicMoE TR): the same as layer_forward_ref with
+// general = token_rounding_ref(logits, T, E, K, m_tile, mode, seed); layer_backward_ref then takes
+// the router gradient through token_rounding_router_backward_ref (grads.ds is by entry of general).
+LayerForward layer_forward_tr_ref(const std::vector<double>& x, const MoEShape& s, const MoEWeights& w,
+                                  int m_tile, RoundingMode mode, uint64_t seed);
 LayerGrads layer_backward_ref(const std::vector<double>& x, const std::vector<double>& dO,
                               const MoEShape& s, const MoEWeights& w, const LayerForward& f,
                               BackwardMethod method);

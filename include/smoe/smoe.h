@@ -81,7 +81,11 @@ constexpr size_t kWorkspaceAlignment = 256;
 // once per N steps) with an asynchronous copy instead of synchronising after every layer.
 // ------------------------------------------------------------------------------------------------
 enum DeviceStatusFlag : uint32_t {
-  kStatusNonFiniteLogits = 1u << 0,  // a token had a NaN or +-Inf router logit
+  kStatusNonFiniteLogits = 1u << 0,    // a token had a NaN or +-Inf router logit
+  kStatusInvalidExpertId = 1u << 1,    // provided routing: an id outside [-1, E) (slot dropped)
+  kStatusDuplicateExpert = 1u << 2,    // provided routing: a token listed an expert twice (later
+                                       // slot dropped)
+  kStatusNonFiniteScores = 1u << 3,    // provided routing: a NaN or +-Inf score
 };
 
 struct DeviceStatus {
@@ -115,6 +119,8 @@ struct RoutingOutputs {
   int32_t* reverse_scatter_idx = nullptr; // [T*K]
   int32_t* gather_idx = nullptr;          // [T*K]
   DeviceStatus* status = nullptr;         // sticky numerical status (see above)
+  int32_t* token_offset = nullptr;        // optional [T+1]: entries of token t are
+                                          // [token_offset[t], token_offset[t+1]) = [tK, tK+K)
 };
 
 // Host-side validation only (no CUDA calls). Returns ok or the first broken rule.
@@ -134,6 +140,72 @@ Status topk_routing(const RoutingProblem& problem, const void* logits,
                     const RoutingOutputs& outputs, void* workspace, size_t workspace_bytes,
                     cudaStream_t stream);
 
+// Caller-provided routing: the caller chose the experts and their scores with any router (sigmoid
+// with a selection bias, group-limited top-K, expert choice, ...). expert [T][K] int32 holds up to K
+// experts per token, -1 for an empty slot (so the number of experts per token may vary); scores
+// [T][K] fp32 (ignored for empty slots). Entries are the slots: entry t*K+k. Outputs as for
+// topk_routing, with: scores = the given scores (0 in empty slots), topk_expert = the ids actually
+// used (-1 for empty or rejected slots), expert_offset[E] = the number of non-empty slots (nnz),
+// grouped rows >= nnz are unused (their scatter_idx points at the empty slots, gather_idx 0) and
+// reverse_scatter_idx of an empty slot is -1. Ids are data on the device, so they are checked there
+// without a host sync: an id outside [-1, E) or a repeated id within a token drops that slot and sets
+// kStatusInvalidExpertId / kStatusDuplicateExpert in outputs.status (a non-finite score sets
+// kStatusNonFiniteScores and is kept). problem.logits_dtype is ignored.
+Status provided_routing(const RoutingProblem& problem, const int32_t* expert, const float* scores,
+                        const RoutingOutputs& outputs, void* workspace, size_t workspace_bytes,
+                        cudaStream_t stream);
+// The same workspace as topk_routing: routing_workspace_size(problem).
+
+// ------------------------------------------------------------------------------------------------
+// Token rounding (SonicMoE's TR) on the GPU: top-K softmax, then each expert's token count rounded
+// to a multiple of m_tile (the GEMM engine's M tile: moe_token_rounding_tile()), padding an expert
+// with the best non-chosen tokens by softmax score or dropping its worst chosen ones. Exactly the
+// float64 reference ref::token_rounding_ref (smoe/reference.h), with fp32 scores.
+// ------------------------------------------------------------------------------------------------
+enum class TokenRoundingMode : int {
+  kNearest = 0,  // NR-f: nearest multiple, exactly half a tile rounds down
+  kUp,           // ceil
+  kDown,         // floor (never adds a row)
+  kStochastic,   // SR-f: up with probability (f mod m) / m, counter-based draw from (seed, expert)
+};
+
+struct TokenRoundingProblem {
+  int64_t num_tokens = 0;  // T >= 0
+  int num_experts = 0;     // 1 <= E <= kMaxExperts
+  int top_k = 0;           // 1 <= K <= min(E, kMaxTopK)
+  int m_tile = 128;        // >= 1
+  TokenRoundingMode mode = TokenRoundingMode::kNearest;
+  uint64_t seed = 0;       // kStochastic only
+  DType logits_dtype = DType::kFloat32;
+};
+
+// Entries are token-major (entries of token t: [token_offset[t], token_offset[t+1]), ascending
+// expert); their number nnz = token_offset[T] = expert_offset[E] is known only on the device and is
+// at most token_rounding_capacity(problem) = min(T*E, T*K + E*(m_tile-1)) (T*K for kDown). Arrays
+// marked [cap] are written up to nnz and the rest set to the "unused" values below.
+struct TokenRoundingOutputs {
+  float* scores = nullptr;               // [cap] by entry: the top-K score of a chosen token, the
+                                         // softmax-over-E score of a padded one
+  int32_t* entry_expert = nullptr;       // [cap] by entry (-1 past nnz)
+  int32_t* token_offset = nullptr;       // [T+1]
+  int32_t* topk_expert = nullptr;        // [T*K] the plain top-K choice (the router backward needs it)
+  float* topk_score = nullptr;           // [T*K] its softmax over the K chosen
+  int32_t* expert_frequency = nullptr;   // [E]   rounded counts
+  int32_t* expert_offset = nullptr;      // [E+1]
+  int32_t* scatter_idx = nullptr;        // [cap] grouped row -> entry (-1 past nnz)
+  int32_t* reverse_scatter_idx = nullptr;// [cap] entry -> grouped row (-1 past nnz)
+  int32_t* gather_idx = nullptr;         // [cap] grouped row -> token (0 past nnz)
+  DeviceStatus* status = nullptr;        // NaN/Inf logits as for topk_routing
+};
+
+Status token_rounding_can_implement(const TokenRoundingProblem& problem);
+int64_t token_rounding_capacity(const TokenRoundingProblem& problem);  // 0 for an invalid problem
+Status token_rounding_workspace_size(const TokenRoundingProblem& problem, size_t* bytes);
+// No host sync, no allocation, deterministic (kStochastic included, for a given seed).
+Status token_rounding_routing(const TokenRoundingProblem& problem, const void* logits,
+                              const TokenRoundingOutputs& outputs, void* workspace,
+                              size_t workspace_bytes, cudaStream_t stream);
+
 // ------------------------------------------------------------------------------------------------
 // The MoE layer: router (fp32 logits through cuBLAS), top-K routing, SwiGLU experts, aggregation;
 // backward by SonicMoE's rewrite (no Y, no dY). A cuBLAS handle per device and host thread is
@@ -141,13 +213,33 @@ Status topk_routing(const RoutingProblem& problem, const void* logits,
 // Requirements (moe_can_implement): d and n multiples of 64; E, K, T as for routing; x, weights,
 // out, dout, gradients 16-byte aligned; workspace 256-byte aligned.
 // ------------------------------------------------------------------------------------------------
+// How the layer routes. The choice changes the saved-state and workspace sizes (token rounding can
+// add rows), so it is part of the shape.
+enum class MoERouter : int {
+  kTopKSoftmax = 0,  // logits = x W_r^T (fp32), top-K, softmax over the K chosen (Mixtral, Qwen3)
+  kTokenRounding,    // the same top-K, then token rounding (SonicMoE TR) with the engine's M tile
+                     // (moe_token_rounding_tile); padded tokens get their softmax-over-E score and
+                     // their gradient flows to the logits through that softmax
+  kProvided,         // the caller routes (any router, in any framework): MoEForwardArgs.routed_expert
+                     // [T][K] (-1 = empty slot) and routed_scores [T][K]; backward returns dL/dscores
+                     // in MoEBackwardArgs.dscores and no router gradient (w_router is not used)
+};
+
 struct MoEShape {
   int64_t T = 0;
   int d = 0;  // multiple of the GEMM alignment (see moe_can_implement)
   int n = 0;
   int E = 0;
-  int K = 0;
+  int K = 0;  // top-K; for kProvided the slots per token (the most experts one token may use)
+  MoERouter router = MoERouter::kTopKSoftmax;
+  TokenRoundingMode rounding = TokenRoundingMode::kNearest;  // kTokenRounding only
 };
+
+// The M tile token rounding rounds to: the grouped GEMM engine's row tile (128 on Hopper).
+int moe_token_rounding_tile(const MoEShape& shape);
+// Grouped rows the layer's buffers are sized for: T*K, or for kTokenRounding the worst case
+// token_rounding_capacity (the actual count is known only on the device). 0 for an invalid shape.
+int64_t moe_row_capacity(const MoEShape& shape);
 
 struct MoEWeights {
   const bf16* w_router = nullptr;  // [E][d]
@@ -169,15 +261,20 @@ Status moe_can_implement(const MoEShape& shape);
 
 // Where each part of the saved state lives inside the caller's buffer (for inspection, tests and
 // custom kernels; the layout is private to this library version).
+// R = moe_row_capacity(shape) (T*K unless token rounding). Entries are token-major: entries of token
+// t are [token_offset[t], token_offset[t+1]) (= [tK, tK+K) for top-K and provided routing).
 struct MoESavedView {
-  bf16* h = nullptr;                    // [TK][2n] pre-activation, grouped-row order
-  float* scores = nullptr;              // [T*K]
-  int32_t* topk_expert = nullptr;       // [T*K]
+  bf16* h = nullptr;                    // [R][2n] pre-activation, grouped-row order
+  float* scores = nullptr;              // [R] by entry
+  int32_t* entry_expert = nullptr;      // [R] by entry (-1: empty); == topk_expert unless TR
+  int32_t* topk_expert = nullptr;       // [T*K] the top-K choice (provided: the ids used)
+  float* topk_score = nullptr;          // [T*K] kTokenRounding only (else null)
+  int32_t* token_offset = nullptr;      // [T+1]
   int32_t* expert_frequency = nullptr;  // [E]
   int32_t* expert_offset = nullptr;     // [E+1]
-  int32_t* scatter_idx = nullptr;       // [TK]
-  int32_t* reverse_scatter_idx = nullptr;  // [TK]
-  int32_t* gather_idx = nullptr;        // [TK]
+  int32_t* scatter_idx = nullptr;       // [R]
+  int32_t* reverse_scatter_idx = nullptr;  // [R]
+  int32_t* gather_idx = nullptr;        // [R]
 };
 MoESavedView moe_saved_state_view(const MoEShape& shape, void* saved);
 
@@ -195,6 +292,10 @@ struct MoEForwardArgs {
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
   DeviceStatus* status = nullptr;  // sticky numerical status (NaN/Inf router logits), required
+  // kProvided only: the caller's routing (read during forward only; the layer keeps a copy).
+  const int32_t* routed_expert = nullptr;  // [T][K] int32, -1 = empty slot
+  const float* routed_scores = nullptr;    // [T][K] fp32
+  uint64_t rounding_seed = 0;              // kTokenRounding with TokenRoundingMode::kStochastic
 };
 
 struct MoEBackwardArgs {
@@ -210,6 +311,9 @@ struct MoEBackwardArgs {
   bf16* dw_router = nullptr;   // [E][d]
   bf16* dw1 = nullptr;         // [E][2n][d]
   bf16* dw2 = nullptr;         // [E][d][n]
+  float* dscores = nullptr;    // kProvided only (then required): [T][K] dL/dscore, 0 in empty slots.
+                               // With kProvided dw_router is not written and may be null, and dx
+                               // holds the expert path only (the caller's router adds its part).
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
 };

@@ -19,11 +19,49 @@ def moe_forward_interleaved(x, w_router, w1_interleaved, w2, top_k):
 
 
 class TokenChoiceTopKRouter(nn.Module):
-    def __init__(self, dim, num_experts, top_k):
+    """torchtitan's router options (same names): score_func "softmax" | "sigmoid"; route_norm
+    (renormalise the K chosen scores); route_scale; num_expert_groups / num_limited_groups
+    (group-limited top-K, DeepSeek-V3: groups ranked by the sum of their top-2 scores)."""
+
+    def __init__(self, dim, num_experts, top_k, score_func="softmax", route_norm=True, route_scale=1.0,
+                 num_expert_groups=None, num_limited_groups=None):
         super().__init__()
+        if score_func not in ("softmax", "sigmoid"):
+            raise ValueError(f"score_func must be 'softmax' or 'sigmoid' (got {score_func!r})")
+        if num_expert_groups is not None:
+            if num_experts % num_expert_groups != 0:
+                raise ValueError(f"num_experts = {num_experts} must be a multiple of num_expert_groups = "
+                                 f"{num_expert_groups}")
+            if not (1 <= (num_limited_groups or 0) <= num_expert_groups):
+                raise ValueError("num_limited_groups must be in [1, num_expert_groups]")
         self.gate = nn.Linear(dim, num_experts, bias=False)
-        self.num_experts = num_experts
-        self.top_k = top_k
+        self.num_experts, self.top_k = num_experts, top_k
+        self.score_func, self.route_norm, self.route_scale = score_func, route_norm, route_scale
+        self.num_expert_groups, self.num_limited_groups = num_expert_groups, num_limited_groups
+
+    def fused(self):
+        """True when the library's own router computes exactly this (softmax over the K chosen)."""
+        return (self.score_func == "softmax" and self.route_norm and self.route_scale == 1.0
+                and self.num_expert_groups is None)
+
+    def forward(self, x, expert_bias=None, bf16_logits=False):
+        """(expert [T,K] int32, scores [T,K] float32, full scores [T,E]) in torch, differentiable in
+        the scores. expert_bias [E] shifts the selection only (auxiliary-loss-free balancing)."""
+        logits = F.linear(x, self.gate.weight.to(x.dtype))
+        logits = logits if bf16_logits else logits.float()
+        scores = logits.softmax(-1) if self.score_func == "softmax" else torch.sigmoid(logits)
+        scores = scores.float()
+        sel = scores.detach() if expert_bias is None else scores.detach() + expert_bias
+        if self.num_expert_groups is not None:
+            T, E = sel.shape
+            g = sel.view(T, self.num_expert_groups, -1).topk(2, dim=-1).values.sum(-1)
+            keep = torch.zeros_like(g).scatter_(1, g.topk(self.num_limited_groups, dim=-1).indices, 1.0)
+            sel = sel.masked_fill(keep.repeat_interleave(E // self.num_expert_groups, dim=1) == 0, float("-inf"))
+        idx = sel.topk(self.top_k, dim=-1).indices
+        w = scores.gather(1, idx)
+        if self.route_norm:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        return idx.to(torch.int32), w * self.route_scale, scores
 
 
 class GroupedExperts(nn.Module):
@@ -49,33 +87,82 @@ class MoE(nn.Module):
     Args:
         dim: hidden size d (multiple of 64); hidden_dim: expert size n (multiple of 64);
         num_experts: E (<= 512); top_k: K (<= 16, <= E);
+        score_func, route_norm, route_scale, num_expert_groups, num_limited_groups: the router
+            (TokenChoiceTopKRouter, torchtitan's names). The default (softmax, renormalised over the
+            K chosen) runs the library's fused router; every other choice routes in torch and runs
+            the experts through caller-provided routing (moe_routed), gradients included.
+        load_balance_coeff: if not None, keep an `expert_bias` buffer (selection only) and count
+            `tokens_per_expert`; call update_expert_bias() after the optimizer step (DeepSeek-V3's
+            auxiliary-loss-free balancing).
+        token_rounding: None or "nr" | "up" | "down" | "sr" (SonicMoE TR, fused router only).
+        bf16_logits: take top-K of bf16 logits (torchtitan / SonicMoE under autocast); routes in torch.
         aux_loss_coef: if > 0, `self.aux_loss` holds coef * E * sum_e f_e P_e after each forward
             (f_e: fraction of routed rows at expert e, P_e: mean router probability), the
-            Switch-Transformer load-balancing loss; add it to the training loss. It costs one more
-            router GEMM and a top-K in torch.
+            Switch-Transformer load-balancing loss. With torch routing f comes from the routing
+            itself; with the fused router it costs one more router GEMM and top-K in torch.
     Input [..., d]; parameters may be fp32 (cast to bf16 for the kernels) or bf16.
     """
 
-    def __init__(self, dim, hidden_dim, num_experts, top_k, aux_loss_coef=0.0):
+    def __init__(self, dim, hidden_dim, num_experts, top_k, aux_loss_coef=0.0, score_func="softmax",
+                 route_norm=True, route_scale=1.0, num_expert_groups=None, num_limited_groups=None,
+                 load_balance_coeff=None, token_rounding=None, bf16_logits=False, rounding_seed=0):
         super().__init__()
         self.dim, self.hidden_dim, self.num_experts, self.top_k = dim, hidden_dim, num_experts, top_k
-        self.router = TokenChoiceTopKRouter(dim, num_experts, top_k)
+        self.router = TokenChoiceTopKRouter(dim, num_experts, top_k, score_func, route_norm, route_scale,
+                                            num_expert_groups, num_limited_groups)
         self.experts = GroupedExperts(dim, hidden_dim, num_experts)
         self.aux_loss_coef = aux_loss_coef
         self.aux_loss = None
+        if token_rounding is not None and (not self.router.fused() or bf16_logits):
+            raise ValueError("token_rounding needs the fused router (softmax, route_norm, no groups, fp32 logits)")
+        if token_rounding not in (None, "nr", "up", "down", "sr"):
+            raise ValueError(f"token_rounding must be None, 'nr', 'up', 'down' or 'sr' (got {token_rounding!r})")
+        self.token_rounding, self.bf16_logits, self.rounding_seed = token_rounding, bf16_logits, rounding_seed
+        self.load_balance_coeff = load_balance_coeff
+        if load_balance_coeff is not None:
+            self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32), persistent=True)
+            self.register_buffer("tokens_per_expert", torch.zeros(num_experts, dtype=torch.float32), persistent=False)
+        else:
+            self.expert_bias = None
         self.init_weights()
 
     def init_weights(self, std=0.02):
         nn.init.trunc_normal_(self.router.gate.weight, mean=0.0, std=std)
         self.experts.init_weights(std)
 
+    @torch.no_grad()
+    def update_expert_bias(self):
+        """expert_bias += coeff * sign(mean load - load) over the tokens counted since the last call."""
+        if self.load_balance_coeff is None:
+            return
+        tpe = self.tokens_per_expert
+        self.expert_bias.add_(self.load_balance_coeff * torch.sign(tpe.mean() - tpe))
+        self.expert_bias.sub_(self.expert_bias.mean())
+        tpe.zero_()
+
     def forward(self, x):
+        from . import moe_routed, moe_token_rounding
         shape = x.shape
         x2 = x.reshape(-1, self.dim).to(torch.bfloat16).contiguous()
-        wr = self.router.gate.weight.to(torch.bfloat16)
         w1 = self.experts.interleaved_w1(torch.bfloat16)
         w2 = self.experts.w2.to(torch.bfloat16)
-        out = moe_forward_interleaved(x2, wr, w1, w2, self.top_k)
+        torch_routing = not self.router.fused() or self.bf16_logits or self.expert_bias is not None
+        if torch_routing:
+            idx, sc, probs = self.router(x2, self.expert_bias, self.bf16_logits)
+            out = moe_routed(x2, w1, w2, idx, sc, validate=False)
+            if self.expert_bias is not None or self.aux_loss_coef > 0:
+                counts = torch.bincount(idx.reshape(-1).long(), minlength=self.num_experts).float()
+                if self.expert_bias is not None:
+                    self.tokens_per_expert.add_(counts)
+                if self.aux_loss_coef > 0:
+                    f = counts / idx.numel()
+                    self.aux_loss = self.aux_loss_coef * self.num_experts * (f * probs.mean(dim=0)).sum()
+            return out.reshape(shape).to(x.dtype)
+        wr = self.router.gate.weight.to(torch.bfloat16)
+        if self.token_rounding is not None:
+            out = moe_token_rounding(x2, wr, w1, w2, self.top_k, self.token_rounding, self.rounding_seed)
+        else:
+            out = moe_forward_interleaved(x2, wr, w1, w2, self.top_k)
         if self.aux_loss_coef > 0:
             logits = F.linear(x2, wr).float()
             probs = logits.softmax(dim=-1)

@@ -72,6 +72,9 @@ struct VarlenKArgs {
 
 // Column tiles of the dSwiGLU GEMM (the second extent of ds_partial).
 int ds_partial_tiles(int N);
+// The row (M) tile of every varlen-M instantiation (TileConfig::BM): a partial tile of an expert
+// wastes MMA rows, which token rounding avoids by rounding counts to this.
+constexpr int kRowTile = 128;
 
 // Checks the rules (extents multiples of 64, pointers 16-byte aligned, rows < 2^31) first; nothing
 // runs on a rejected call.

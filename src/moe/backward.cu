@@ -5,10 +5,12 @@
 //   dS[t,k] = sum of the partials    fixed order
 //   dW2_e = dO[gather]_e^T A'_e      engine varlen-K (dO gathered), or CUTLASS on dO gathered
 //                                    into the dX~ buffer first (dw_path.h says which)
-//   router: dl, dense bf16 dlogits; dW_r = dlogits^T x (cuBLAS, fp32 out -> bf16)
+//   router: dl, dense bf16 dlogits; dW_r = dlogits^T x (cuBLAS, fp32 out -> bf16); token rounding
+//                                    recomputes the logits and adds dlogits W_r to dx by cuBLAS;
+//                                    provided routing has no router: dS goes to the caller's dscores
 //   dW1_e = dH_e^T x[gather]_e       engine varlen-K (x gathered), or CUTLASS likewise
 //   dX~ = dH W1_e                    engine varlen-M, dH by TMA
-//   dx[t] = sum_k dX~[row(t,k)] + dl[t,k] W_r[e_k]
+//   dx[t] = sum over t's entries of dX~[row] (+ dl W_r[e] for top-K, + dlogits W_r for rounding)
 #include "engine/engine.h"
 #include "gemm/grouped_gemm.h"
 #include "moe/dw_path.h"
@@ -25,9 +27,16 @@ Status moe_backward(const MoEBackwardArgs& a, cudaStream_t stream) {
   const char* fn = "moe_backward";
   const MoEShape& s = a.shape;
   SMOE_RETURN_IF_ERROR(layer::check_common(fn, s, a.x, a.weights, a.saved, a.saved_bytes));
-  SMOE_RETURN_IF_ERROR(detail::check_ptr(a.dout, fn, "dout", 16));
-  SMOE_RETURN_IF_ERROR(detail::check_ptr(a.dx, fn, "dx", 16));
-  SMOE_RETURN_IF_ERROR(detail::check_ptr(a.dw_router, fn, "dw_router", 16));
+  if (s.T > 0) {  // T = 0: the token tensors may be null
+    SMOE_RETURN_IF_ERROR(detail::check_ptr(a.dout, fn, "dout", 16));
+    SMOE_RETURN_IF_ERROR(detail::check_ptr(a.dx, fn, "dx", 16));
+  }
+  const bool provided = s.router == MoERouter::kProvided;
+  if (provided) {
+    if (s.T * s.K > 0) SMOE_RETURN_IF_ERROR(detail::check_ptr(a.dscores, fn, "dscores (router = kProvided)", 4));
+  } else {
+    SMOE_RETURN_IF_ERROR(detail::check_ptr(a.dw_router, fn, "dw_router", 16));
+  }
   SMOE_RETURN_IF_ERROR(detail::check_ptr(a.dw1, fn, "dw1", 16));
   SMOE_RETURN_IF_ERROR(detail::check_ptr(a.dw2, fn, "dw2", 16));
   const layer::TensorBytes tb(s);
@@ -35,6 +44,7 @@ Status moe_backward(const MoEBackwardArgs& a, cudaStream_t stream) {
       fn,
       {{a.dx, tb.tokens, "dx"},
        {a.dw_router, tb.router, "dw_router"},
+       {a.dscores, tb.slots, "dscores"},
        {a.dw1, tb.w1, "dw1"},
        {a.dw2, tb.w2, "dw2"},
        {a.workspace, a.workspace_bytes, "workspace"}},
@@ -50,14 +60,22 @@ Status moe_backward(const MoEBackwardArgs& a, cudaStream_t stream) {
   SMOE_RETURN_IF_ERROR(layer::check_buffer(a.workspace, a.workspace_bytes, w.total, fn, "workspace",
                                            "workspace_bytes", "moe_backward_workspace_size"));
   const MoESavedView sv = moe_saved_state_view(s, const_cast<void*>(a.saved));
-  const int64_t tk = s.T * s.K;
+  const int64_t rows = moe_row_capacity(s);  // the GEMMs read the actual rows from expert_offset
+  const int32_t* nnz = sv.expert_offset + s.E;
+  float* dS = provided ? a.dscores : w.dS;  // by entry; provided: the caller's [T][K] slots
   profile::mark("begin", stream);
+  if (s.T == 0) {  // no token: every weight gradient is zero (they are overwritten, never accumulated)
+    SMOE_CUDA_RETURN(cudaMemsetAsync(a.dw1, 0, tb.w1, stream));
+    SMOE_CUDA_RETURN(cudaMemsetAsync(a.dw2, 0, tb.w2, stream));
+    if (!provided) SMOE_CUDA_RETURN(cudaMemsetAsync(a.dw_router, 0, tb.router, stream));
+    return Status{};
+  }
 
   engine::VarlenMArgs da;
   da.num_experts = s.E;
   da.N = s.n;
   da.K = s.d;
-  da.rows = tk;
+  da.rows = rows;
   da.expert_offset = sv.expert_offset;
   da.A = a.dout;
   da.a_rows = s.T;
@@ -72,8 +90,8 @@ Status moe_backward(const MoEBackwardArgs& a, cudaStream_t stream) {
   da.scatter = sv.scatter_idx;
   da.ds_partial = w.ds_partial;
   SMOE_RETURN_IF_ERROR(engine::varlen_m(da, sms, stream));
-  SMOE_RETURN_IF_ERROR(kernels::ds_rowsum(w.ds_partial, engine::ds_partial_tiles(s.n), sv.scatter_idx, tk,
-                                          w.dS, stream));
+  SMOE_RETURN_IF_ERROR(kernels::ds_rowsum(w.ds_partial, engine::ds_partial_tiles(s.n), sv.scatter_idx, rows,
+                                          nnz, dS, stream));
   profile::mark("dA_proj", stream);
 
   if (layer::dw2_path(s) == layer::DwPath::kEngine) {
@@ -81,7 +99,7 @@ Status moe_backward(const MoEBackwardArgs& a, cudaStream_t stream) {
     dw2.num_experts = s.E;
     dw2.M = s.d;
     dw2.N = s.n;
-    dw2.rows = tk;
+    dw2.rows = rows;
     dw2.expert_offset = sv.expert_offset;
     dw2.P = a.dout;
     dw2.ld_p = s.d;
@@ -91,7 +109,7 @@ Status moe_backward(const MoEBackwardArgs& a, cudaStream_t stream) {
     dw2.D = a.dw2;
     SMOE_RETURN_IF_ERROR(engine::varlen_k(dw2, sms, stream));
   } else {
-    SMOE_RETURN_IF_ERROR(kernels::gather_rows(a.dout, s.d, sv.gather_idx, tk, w.dXt, stream));
+    SMOE_RETURN_IF_ERROR(kernels::gather_rows(a.dout, s.d, sv.gather_idx, rows, w.dXt, stream));
     gemm::VarlenKArgs dw2;
     dw2.num_experts = s.E;
     dw2.M = s.d;
@@ -104,18 +122,40 @@ Status moe_backward(const MoEBackwardArgs& a, cudaStream_t stream) {
   }
   profile::mark("dW2", stream);
 
-  SMOE_RETURN_IF_ERROR(kernels::router_backward(w.dS, sv.scores, sv.topk_expert, s.K, s.E, s.T, w.dl,
-                                                w.dlogits, stream));
-  // dW_r [E][d] = dlogits^T x: column-major C (d x E) = (x as d x T) * (dlogits as E x T)^T.
-  cublasHandle_t h;
-  SMOE_RETURN_IF_ERROR(blas::prepare(stream, w.cublas, &h));
-  const float one = 1.f, zero = 0.f;
-  SMOE_RETURN_IF_ERROR(blas::check(
-      cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_T, s.d, s.E, static_cast<int>(s.T), &one, a.x, CUDA_R_16BF,
-                   s.d, w.dlogits, CUDA_R_16BF, s.E, &zero, w.dwr32, CUDA_R_32F, s.d,
-                   CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
-      "moe_backward: router weight gradient GEMM"));
-  SMOE_RETURN_IF_ERROR(kernels::f32_to_bf16(w.dwr32, a.dw_router, static_cast<int64_t>(s.E) * s.d, stream));
+  if (!provided) {
+    cublasHandle_t h;
+    SMOE_RETURN_IF_ERROR(blas::prepare(stream, w.cublas, &h));
+    const float one = 1.f, zero = 0.f;
+    if (s.router == MoERouter::kTopKSoftmax) {
+      SMOE_RETURN_IF_ERROR(kernels::router_backward(dS, sv.scores, sv.topk_expert, s.K, s.E, s.T, w.dl,
+                                                    w.dlogits, stream));
+    } else {
+      // Token rounding: padded scores are softmax-over-E values, so every logit gets a gradient.
+      // The logits are recomputed (the same cuBLAS call as forward) instead of held: T*E*4 bytes
+      // would be the largest saved tensor after H at small n.
+      SMOE_RETURN_IF_ERROR(blas::check(
+          cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, s.E, static_cast<int>(s.T), s.d, &one, a.weights.w_router,
+                       CUDA_R_16BF, s.d, a.x, CUDA_R_16BF, s.d, &zero, w.logits, CUDA_R_32F, s.E,
+                       CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+          "moe_backward: router GEMM (token rounding recompute)"));
+      SMOE_RETURN_IF_ERROR(kernels::router_backward_tr(dS, sv.entry_expert, sv.token_offset, sv.topk_expert,
+                                                       sv.topk_score, w.logits, s.K, s.E, s.T, w.dlogits,
+                                                       stream));
+      // dx_router [T][d] = dlogits W_r: column-major C (d x T) = (W_r as d x E) * (dlogits as E x T).
+      SMOE_RETURN_IF_ERROR(blas::check(
+          cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, s.d, static_cast<int>(s.T), s.E, &one, a.weights.w_router,
+                       CUDA_R_16BF, s.d, w.dlogits, CUDA_R_16BF, s.E, &zero, w.dx_router, CUDA_R_32F, s.d,
+                       CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+          "moe_backward: router input gradient GEMM (token rounding)"));
+    }
+    // dW_r [E][d] = dlogits^T x: column-major C (d x E) = (x as d x T) * (dlogits as E x T)^T.
+    SMOE_RETURN_IF_ERROR(blas::check(
+        cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_T, s.d, s.E, static_cast<int>(s.T), &one, a.x, CUDA_R_16BF,
+                     s.d, w.dlogits, CUDA_R_16BF, s.E, &zero, w.dwr32, CUDA_R_32F, s.d,
+                     CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+        "moe_backward: router weight gradient GEMM"));
+    SMOE_RETURN_IF_ERROR(kernels::f32_to_bf16(w.dwr32, a.dw_router, static_cast<int64_t>(s.E) * s.d, stream));
+  }
   profile::mark("router_bwd", stream);
 
   if (layer::dw1_path(s) == layer::DwPath::kEngine) {
@@ -123,7 +163,7 @@ Status moe_backward(const MoEBackwardArgs& a, cudaStream_t stream) {
     dw1.num_experts = s.E;
     dw1.M = 2 * s.n;
     dw1.N = s.d;
-    dw1.rows = tk;
+    dw1.rows = rows;
     dw1.expert_offset = sv.expert_offset;
     dw1.P = w.dH;
     dw1.ld_p = 2 * s.n;
@@ -133,7 +173,7 @@ Status moe_backward(const MoEBackwardArgs& a, cudaStream_t stream) {
     dw1.D = a.dw1;
     SMOE_RETURN_IF_ERROR(engine::varlen_k(dw1, sms, stream));
   } else {
-    SMOE_RETURN_IF_ERROR(kernels::gather_rows(a.x, s.d, sv.gather_idx, tk, w.dXt, stream));
+    SMOE_RETURN_IF_ERROR(kernels::gather_rows(a.x, s.d, sv.gather_idx, rows, w.dXt, stream));
     gemm::VarlenKArgs dw1;
     dw1.num_experts = s.E;
     dw1.M = 2 * s.n;
@@ -150,10 +190,10 @@ Status moe_backward(const MoEBackwardArgs& a, cudaStream_t stream) {
   dxt.num_experts = s.E;
   dxt.N = s.d;
   dxt.K = 2 * s.n;
-  dxt.rows = tk;
+  dxt.rows = rows;
   dxt.expert_offset = sv.expert_offset;
   dxt.A = w.dH;
-  dxt.a_rows = tk;
+  dxt.a_rows = rows;
   dxt.B = a.weights.w1;  // [E][2n][d] = [E][K][N]
   dxt.b_major = engine::WeightMajor::kKN;
   dxt.epilogue = engine::Epilogue::kStore;
@@ -161,8 +201,8 @@ Status moe_backward(const MoEBackwardArgs& a, cudaStream_t stream) {
   SMOE_RETURN_IF_ERROR(engine::varlen_m(dxt, sms, stream));
   profile::mark("dX_proj", stream);
 
-  SMOE_RETURN_IF_ERROR(kernels::dx_sum(w.dXt, sv.reverse_scatter_idx, w.dl, sv.topk_expert,
-                                       a.weights.w_router, s.K, s.d, s.T, a.dx, stream));
+  SMOE_RETURN_IF_ERROR(kernels::dx_sum(w.dXt, sv.reverse_scatter_idx, sv.token_offset, w.dl, sv.entry_expert,
+                                       a.weights.w_router, w.dx_router, s.d, s.T, a.dx, stream));
   profile::mark("dx_sum", stream);
   return Status{};
 }

@@ -1,6 +1,7 @@
 // The MoE layer's forward on the fused engine (stream-ordered, no host sync):
 //   logits = x W_r^T                 cuBLAS, fp32 out
-//   top-K routing                    into the saved state (scores, indices, expert offsets)
+//   routing                          into the saved state (scores, indices, expert offsets): top-K
+//                                    softmax, top-K + token rounding, or the caller's (no router GEMM)
 //   H, A = SwiGLU(x[gather] W1_e^T)  engine varlen-M: gathered x, SwiGLU epilogue (H saved)
 //   Y = A W2_e^T                     engine varlen-M: A by TMA (workspace, TK x d)
 //   out[t] = sum_k s Y[row(t,k)]     fp32 gather-sum, no atomics
@@ -18,8 +19,13 @@ Status moe_forward(const MoEForwardArgs& a, cudaStream_t stream) {
   const char* fn = "moe_forward";
   const MoEShape& s = a.shape;
   SMOE_RETURN_IF_ERROR(layer::check_common(fn, s, a.x, a.weights, a.saved, a.saved_bytes));
-  SMOE_RETURN_IF_ERROR(detail::check_ptr(a.out, fn, "out", 16));
+  if (s.T > 0) SMOE_RETURN_IF_ERROR(detail::check_ptr(a.out, fn, "out", 16));
   SMOE_RETURN_IF_ERROR(detail::check_ptr(a.status, fn, "status", 8));
+  const bool provided = s.router == MoERouter::kProvided;
+  if (provided && s.T > 0) {
+    SMOE_RETURN_IF_ERROR(detail::check_ptr(a.routed_expert, fn, "routed_expert (router = kProvided)", 4));
+    SMOE_RETURN_IF_ERROR(detail::check_ptr(a.routed_scores, fn, "routed_scores (router = kProvided)", 4));
+  }
   const plan::ForwardWs w = plan::forward_ws(s, a.workspace);
   SMOE_RETURN_IF_ERROR(layer::check_buffer(a.workspace, a.workspace_bytes, w.total, fn, "workspace",
                                            "workspace_bytes", "moe_forward_workspace_size"));
@@ -33,35 +39,62 @@ Status moe_forward(const MoEForwardArgs& a, cudaStream_t stream) {
       {{a.x, tb.tokens, "x"},
        {a.weights.w_router, tb.router, "weights.w_router"},
        {a.weights.w1, tb.w1, "weights.w1"},
-       {a.weights.w2, tb.w2, "weights.w2"}}));
+       {a.weights.w2, tb.w2, "weights.w2"},
+       {a.routed_expert, tb.slots, "routed_expert"},
+       {a.routed_scores, tb.slots, "routed_scores"}}));
   int sms = 0;
   SMOE_RETURN_IF_ERROR(layer::sm_count(&sms));
   const MoESavedView sv = moe_saved_state_view(s, a.saved);
-  const int64_t tk = s.T * s.K;
+  const int64_t rows = moe_row_capacity(s);
   profile::mark("begin", stream);
 
-  // Router logits [T][E] = x W_r^T: column-major C (E x T) = op(W_r as d x E)^T * (x as d x T).
-  cublasHandle_t h;
-  SMOE_RETURN_IF_ERROR(blas::prepare(stream, w.cublas, &h));
-  const float one = 1.f, zero = 0.f;
-  SMOE_RETURN_IF_ERROR(blas::check(
-      cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, s.E, static_cast<int>(s.T), s.d, &one, a.weights.w_router,
-                   CUDA_R_16BF, s.d, a.x, CUDA_R_16BF, s.d, &zero, w.logits, CUDA_R_32F, s.E,
-                   CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
-      "moe_forward: router GEMM"));
-  profile::mark("router_gemm", stream);
+  if (!provided && s.T > 0) {
+    // Router logits [T][E] = x W_r^T: column-major C (E x T) = op(W_r as d x E)^T * (x as d x T).
+    cublasHandle_t h;
+    SMOE_RETURN_IF_ERROR(blas::prepare(stream, w.cublas, &h));
+    const float one = 1.f, zero = 0.f;
+    SMOE_RETURN_IF_ERROR(blas::check(
+        cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, s.E, static_cast<int>(s.T), s.d, &one, a.weights.w_router,
+                     CUDA_R_16BF, s.d, a.x, CUDA_R_16BF, s.d, &zero, w.logits, CUDA_R_32F, s.E,
+                     CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+        "moe_forward: router GEMM"));
+    profile::mark("router_gemm", stream);
+  }
 
-  RoutingProblem rp{s.T, s.E, s.K, DType::kFloat32};
+  const RoutingProblem rp{s.T, s.E, s.K, DType::kFloat32};
   RoutingOutputs ro{sv.scores, sv.topk_expert, sv.expert_frequency, sv.expert_offset,
-                    sv.scatter_idx, sv.reverse_scatter_idx, sv.gather_idx, a.status};
-  SMOE_RETURN_IF_ERROR(topk_routing(rp, w.logits, ro, w.routing, w.routing_bytes, stream));
+                    sv.scatter_idx, sv.reverse_scatter_idx, sv.gather_idx, a.status, sv.token_offset};
+  if (s.router == MoERouter::kTopKSoftmax) {
+    SMOE_RETURN_IF_ERROR(topk_routing(rp, w.logits, ro, w.routing, w.routing_bytes, stream));
+  } else if (provided) {
+    SMOE_RETURN_IF_ERROR(provided_routing(rp, a.routed_expert, a.routed_scores, ro, w.routing,
+                                          w.routing_bytes, stream));
+  } else {
+    TokenRoundingOutputs to;
+    to.scores = sv.scores;
+    to.entry_expert = sv.entry_expert;
+    to.token_offset = sv.token_offset;
+    to.topk_expert = sv.topk_expert;
+    to.topk_score = sv.topk_score;
+    to.expert_frequency = sv.expert_frequency;
+    to.expert_offset = sv.expert_offset;
+    to.scatter_idx = sv.scatter_idx;
+    to.reverse_scatter_idx = sv.reverse_scatter_idx;
+    to.gather_idx = sv.gather_idx;
+    to.status = a.status;
+    SMOE_RETURN_IF_ERROR(token_rounding_routing(plan::rounding_problem(s, a.rounding_seed), w.logits, to,
+                                                w.routing, w.routing_bytes, stream));
+  }
   profile::mark("routing", stream);
+  if (s.T == 0) return Status{};  // the saved state holds the (empty) routing; nothing to compute
 
+  // The GEMMs are sized for the row capacity; the scheduler reads the actual rows per expert from
+  // expert_offset on the device (rows past expert_offset[E] are never touched).
   engine::VarlenMArgs up;
   up.num_experts = s.E;
   up.N = 2 * s.n;
   up.K = s.d;
-  up.rows = tk;
+  up.rows = rows;
   up.expert_offset = sv.expert_offset;
   up.A = a.x;
   up.a_rows = s.T;
@@ -78,10 +111,10 @@ Status moe_forward(const MoEForwardArgs& a, cudaStream_t stream) {
   down.num_experts = s.E;
   down.N = s.d;
   down.K = s.n;
-  down.rows = tk;
+  down.rows = rows;
   down.expert_offset = sv.expert_offset;
   down.A = w.act;
-  down.a_rows = tk;
+  down.a_rows = rows;
   down.B = a.weights.w2;
   down.b_major = engine::WeightMajor::kNK;
   down.epilogue = engine::Epilogue::kStore;
@@ -89,7 +122,8 @@ Status moe_forward(const MoEForwardArgs& a, cudaStream_t stream) {
   SMOE_RETURN_IF_ERROR(engine::varlen_m(down, sms, stream));
   profile::mark("down_proj", stream);
 
-  SMOE_RETURN_IF_ERROR(kernels::aggregate(w.y, sv.scores, sv.reverse_scatter_idx, s.K, s.d, s.T, a.out, stream));
+  SMOE_RETURN_IF_ERROR(kernels::aggregate(w.y, sv.scores, sv.reverse_scatter_idx, sv.token_offset, s.d, s.T,
+                                          a.out, stream));
   profile::mark("aggregate", stream);
   return Status{};
 }

@@ -1,5 +1,6 @@
 // The layer's shape rules and size queries (memory_plan.h has the layouts), and the profile hook.
 #include "common/check.h"
+#include "engine/engine.h"
 #include "moe/layer_common.h"
 #include "moe/memory_plan.h"
 #include "moe/profile.h"
@@ -21,6 +22,16 @@ Status moe_can_implement(const MoEShape& s) {
   const char* fn = "moe";
   RoutingProblem rp{s.T, s.E, s.K, DType::kFloat32};
   SMOE_RETURN_IF_ERROR(routing_can_implement(rp));
+  if (s.router != MoERouter::kTopKSoftmax && s.router != MoERouter::kTokenRounding &&
+      s.router != MoERouter::kProvided)
+    return make_status(StatusCode::kInvalidArgument,
+                       concat(fn, ": router = ", static_cast<int>(s.router),
+                              " must be kTopKSoftmax, kTokenRounding or kProvided"));
+  int64_t rows = s.T * s.K;
+  if (s.router == MoERouter::kTokenRounding) {
+    SMOE_RETURN_IF_ERROR(token_rounding_can_implement(plan::rounding_problem(s, 0)));
+    rows = token_rounding_capacity(plan::rounding_problem(s, 0));
+  }
   // 64: the GEMM K-tile and 16-byte rows for TMA; SwiGLU pairs need n even anyway.
   if (s.d <= 0 || s.d % 64 != 0)
     return make_status(StatusCode::kInvalidArgument, concat(fn, ": d = ", s.d, " must be a positive multiple of 64"));
@@ -30,12 +41,13 @@ Status moe_can_implement(const MoEShape& s) {
   // bytes (64 PiB), so a sum of a few dozen never wraps.
   constexpr int64_t kMaxBytes = int64_t{1} << 56;
   int64_t bytes = 0;
-  const int64_t tk = s.T * s.K;  // <= 2^31-1: routing_can_implement checked it without overflow
+  // rows <= 2^31-1: T*K by routing_can_implement, the rounding capacity by token_rounding_can_implement.
   const int64_t wide = 2 * static_cast<int64_t>(s.n) > s.d ? 2 * static_cast<int64_t>(s.n) : s.d;
-  if (!detail::checked_product({tk, wide, 4}, kMaxBytes, &bytes))
+  if (!detail::checked_product({rows, wide, 4}, kMaxBytes, &bytes))
     return make_status(StatusCode::kInvalidArgument,
-                       concat(fn, ": T*K * max(2n, d) = ", tk, " * ", wide,
-                              " is too large (per-row buffers would exceed 2^56 bytes)"));
+                       concat(fn, ": rows * max(2n, d) = ", rows, " * ", wide,
+                              " is too large (per-row buffers would exceed 2^56 bytes; rows = T*K or the "
+                              "token-rounding capacity)"));
   if (!detail::checked_product({s.E, 2 * static_cast<int64_t>(s.n), s.d, 4}, kMaxBytes, &bytes))
     return make_status(StatusCode::kInvalidArgument,
                        concat(fn, ": E * 2n * d = ", s.E, " * ", 2 * static_cast<int64_t>(s.n), " * ", s.d,
@@ -44,6 +56,14 @@ Status moe_can_implement(const MoEShape& s) {
     return make_status(StatusCode::kInvalidArgument,
                        concat(fn, ": T * E = ", s.T, " * ", s.E, " is too large (router logits)"));
   return Status{};
+}
+
+int moe_token_rounding_tile(const MoEShape&) { return engine::kRowTile; }
+
+int64_t moe_row_capacity(const MoEShape& s) {
+  if (!moe_can_implement(s).ok()) return 0;
+  return s.router == MoERouter::kTokenRounding ? token_rounding_capacity(plan::rounding_problem(s, 0))
+                                               : s.T * s.K;
 }
 
 size_t moe_saved_state_size(const MoEShape& s) {

@@ -25,8 +25,9 @@ inline Status check_buffer(const void* p, size_t have, size_t need, const char* 
 inline Status check_common(const char* fn, const MoEShape& s, const bf16* x, const MoEWeights& w,
                            const void* saved, size_t saved_bytes) {
   SMOE_RETURN_IF_ERROR(moe_can_implement(s));
-  SMOE_RETURN_IF_ERROR(detail::check_ptr(x, fn, "x", 16));
-  SMOE_RETURN_IF_ERROR(detail::check_ptr(w.w_router, fn, "weights.w_router", 16));
+  if (s.T > 0) SMOE_RETURN_IF_ERROR(detail::check_ptr(x, fn, "x", 16));  // T = 0: token tensors may be null
+  if (s.router != MoERouter::kProvided)  // provided routing never reads the router weights
+    SMOE_RETURN_IF_ERROR(detail::check_ptr(w.w_router, fn, "weights.w_router", 16));
   SMOE_RETURN_IF_ERROR(detail::check_ptr(w.w1, fn, "weights.w1", 16));
   SMOE_RETURN_IF_ERROR(detail::check_ptr(w.w2, fn, "weights.w2", 16));
   return check_buffer(saved, saved_bytes, moe_saved_state_size(s), fn, "saved", "saved_bytes",
@@ -69,11 +70,13 @@ struct TensorBytes {
   size_t router;    // [E][d]
   size_t w1;        // [E][2n][d]
   size_t w2;        // [E][d][n]
+  size_t slots;     // provided routing's [T][K] ids / scores / dscores (4 bytes each)
   explicit TensorBytes(const MoEShape& s)
       : tokens(static_cast<size_t>(s.T) * s.d * 2),
-        router(static_cast<size_t>(s.E) * s.d * 2),
+        router(s.router == MoERouter::kProvided ? 0 : static_cast<size_t>(s.E) * s.d * 2),
         w1(static_cast<size_t>(s.E) * 2 * s.n * s.d * 2),
-        w2(static_cast<size_t>(s.E) * s.d * s.n * 2) {}
+        w2(static_cast<size_t>(s.E) * s.d * s.n * 2),
+        slots(s.router == MoERouter::kProvided ? static_cast<size_t>(s.T) * s.K * 4 : 0) {}
 };
 
 // SMs of the current device (the persistent GEMMs' grid); fails unless it is a Hopper (sm_90)

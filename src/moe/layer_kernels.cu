@@ -52,19 +52,22 @@ __global__ void gather_rows_kernel(const bf16* __restrict__ src, int64_t vec_per
   }
 }
 
-// O[t][c..c+8) = sum_k s[t,k] * Y[rev[t*K+k]][c..c+8), fp32 in k order.
+// O[t][c..c+8) = sum over entries j of t: s[j] * Y[rev[j]][c..c+8), fp32 in entry order.
 __global__ void aggregate_kernel(const bf16* __restrict__ Y, const float* __restrict__ scores,
-                                 const int32_t* __restrict__ rev, int K, int64_t vec_per_row,
-                                 int64_t T, bf16* __restrict__ out) {
+                                 const int32_t* __restrict__ rev, const int32_t* __restrict__ token_offset,
+                                 int64_t vec_per_row, int64_t T, bf16* __restrict__ out) {
   const int64_t total = T * vec_per_row;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t t = i / vec_per_row, c = i - t * vec_per_row;
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    for (int k = 0; k < K; ++k) {
-      const float s = scores[t * K + k];
+    const int32_t end = token_offset[t + 1];
+    for (int32_t j = token_offset[t]; j < end; ++j) {
+      const int32_t row = rev[j];
+      if (row < 0) continue;  // an empty slot
+      const float s = scores[j];
       Pack8 y;
-      y.u = __ldg(reinterpret_cast<const uint4*>(Y) + static_cast<int64_t>(rev[t * K + k]) * vec_per_row + c);
+      y.u = __ldg(reinterpret_cast<const uint4*>(Y) + static_cast<int64_t>(row) * vec_per_row + c);
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
         const float2 v = __bfloat1622float2(y.h2[q]);
@@ -82,12 +85,19 @@ __global__ void aggregate_kernel(const bf16* __restrict__ Y, const float* __rest
 // dS[scatter[r]] = sum over j of ds_partial[r][j], j ascending (the dSwiGLU epilogue's per-tile
 // partial dot products): one thread per grouped row, fixed order, no atomics.
 __global__ void ds_rowsum_kernel(const float* __restrict__ partial, int tiles,
-                                 const int32_t* __restrict__ scatter, int64_t rows, float* __restrict__ dS) {
+                                 const int32_t* __restrict__ scatter, int64_t rows,
+                                 const int32_t* __restrict__ nnz, float* __restrict__ dS) {
+  const int64_t used = *nnz;
   for (int64_t r = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; r < rows;
        r += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int32_t entry = scatter[r];
+    if (r >= used) {  // no GEMM row: an empty slot of provided routing (or nothing, entry -1)
+      if (entry >= 0) dS[entry] = 0.f;
+      continue;
+    }
     float acc = 0.f;
     for (int j = 0; j < tiles; ++j) acc += partial[r * tiles + j];
-    dS[scatter[r]] = acc;
+    dS[entry] = acc;
   }
 }
 
@@ -111,28 +121,111 @@ __global__ void router_backward_kernel(const float* __restrict__ dS, const float
   }
 }
 
-// dX[t] = sum_k dX~[rev[t*K+k]] + sum_k dl[t,k] W_r[e_k], fp32 in k order.
+// Token-rounding router backward, one warp per token (derivation: ref::token_rounding_router_
+// backward_ref). Softmax over E: S_j = exp(l_j - max) / sum. A padded entry p (expert not among the
+// token's top-K) adds dS_p S_{e_p} (delta - S_j): dl_j = -S_j G + [j = e_p] dS_p S_{e_p} with
+// G = sum_p dS_p S_{e_p}. A kept chosen entry's dS enters the top-K softmax part (dropped chosen
+// ones count as dS = 0). Every dl_j is written, in a fixed order: deterministic.
+__global__ void router_backward_tr_kernel(const float* __restrict__ dS, const int32_t* __restrict__ entry_expert,
+                                          const int32_t* __restrict__ token_offset,
+                                          const int32_t* __restrict__ topk, const float* __restrict__ topk_score,
+                                          const float* __restrict__ logits, int K, int E, int64_t T,
+                                          bf16* __restrict__ dlogits) {
+  const int lane = threadIdx.x & 31;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x >> 5);
+  for (int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x >> 5) + (threadIdx.x >> 5); t < T; t += warps) {
+    const float* row = logits + t * E;
+    float mx = -INFINITY;
+    for (int e = lane; e < E; e += 32) mx = fmaxf(mx, row[e]);
+    for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+    float sum = 0.f;
+    for (int e = lane; e < E; e += 32) sum += expf(row[e] - mx);
+    for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+    const float inv = 1.f / sum;
+    // Lane k < K: the top-K choice k and the dS of its entry (0 if rounding dropped it).
+    const int my_e = lane < K ? topk[t * K + lane] : -1;
+    const float my_s = lane < K ? topk_score[t * K + lane] : 0.f;
+    float my_ds = 0.f;
+    float G = 0.f;  // sum over padded entries of dS_p S_{e_p}, same order on every lane
+    const int32_t j0 = token_offset[t], j1 = token_offset[t + 1];
+    for (int32_t j = j0; j < j1; ++j) {
+      const int e = entry_expert[j];
+      const unsigned hit = __ballot_sync(0xffffffffu, my_e == e);
+      if (hit) {
+        if (my_e == e) my_ds = dS[j];
+      } else {
+        G += dS[j] * (expf(row[e] - mx) * inv);
+      }
+    }
+    // Top-K softmax part for lane k: s_k sum_{j != k} s_j (dS_k - dS_j).
+    float topk_part = 0.f;
+    for (int k = 0; k < K; ++k) {
+      const float sk = __shfl_sync(0xffffffffu, my_s, k), dk = __shfl_sync(0xffffffffu, my_ds, k);
+      if (k != lane) topk_part += sk * (my_ds - dk);
+    }
+    topk_part *= my_s;
+    // Dense pass, uniform trip count so the shuffle below has every lane: lane's expert e gets
+    // -S_e G, plus dS_p S_e if e is a padded entry, plus the top-K part if e is a top-K choice.
+    for (int base = 0; base < E; base += 32) {
+      const int e = base + lane;
+      int k_e = -1;
+      for (int k = 0; k < K; ++k)
+        if (topk[t * K + k] == e) k_e = k;
+      const float part = __shfl_sync(0xffffffffu, topk_part, k_e >= 0 ? k_e : 0);
+      if (e >= E) continue;
+      const float S = expf(row[e] - mx) * inv;
+      float g = -S * G;
+      if (k_e >= 0) {
+        g += part;
+      } else {
+        for (int32_t j = j0; j < j1; ++j)  // the padded entry of e, if any
+          if (entry_expert[j] == e) g += dS[j] * S;
+      }
+      dlogits[t * E + e] = __float2bfloat16_rn(g);
+    }
+  }
+}
+
+// dX[t] = sum over entries j of t: dX~[rev[j]] (+ dl[j] W_r[e_j]) (+ dx_router[t]), fp32.
 __global__ void dx_kernel(const bf16* __restrict__ dXt, const int32_t* __restrict__ rev,
-                          const float* __restrict__ dl, const int32_t* __restrict__ topk,
-                          const bf16* __restrict__ w_router, int K, int64_t vec_per_row, int64_t T,
+                          const int32_t* __restrict__ token_offset, const float* __restrict__ dl,
+                          const int32_t* __restrict__ entry_expert, const bf16* __restrict__ w_router,
+                          const float* __restrict__ dx_router, int64_t vec_per_row, int64_t T,
                           bf16* __restrict__ dx) {
   const int64_t total = T * vec_per_row;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t t = i / vec_per_row, c = i - t * vec_per_row;
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    for (int k = 0; k < K; ++k) {
-      Pack8 v, w;
-      v.u = __ldg(reinterpret_cast<const uint4*>(dXt) + static_cast<int64_t>(rev[t * K + k]) * vec_per_row + c);
-      w.u = __ldg(reinterpret_cast<const uint4*>(w_router) + static_cast<int64_t>(topk[t * K + k]) * vec_per_row + c);
-      const float g = dl[t * K + k];
+    const int32_t end = token_offset[t + 1];
+    for (int32_t j = token_offset[t]; j < end; ++j) {
+      const int32_t row = rev[j];
+      if (row < 0) continue;  // an empty slot
+      Pack8 v;
+      v.u = __ldg(reinterpret_cast<const uint4*>(dXt) + static_cast<int64_t>(row) * vec_per_row + c);
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
         const float2 a = __bfloat1622float2(v.h2[q]);
-        const float2 b = __bfloat1622float2(w.h2[q]);
-        acc[2 * q] += a.x + g * b.x;
-        acc[2 * q + 1] += a.y + g * b.y;
+        acc[2 * q] += a.x;
+        acc[2 * q + 1] += a.y;
       }
+      if (dl) {
+        Pack8 w;
+        w.u = __ldg(reinterpret_cast<const uint4*>(w_router) + static_cast<int64_t>(entry_expert[j]) * vec_per_row + c);
+        const float g = dl[j];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const float2 b = __bfloat1622float2(w.h2[q]);
+          acc[2 * q] += g * b.x;
+          acc[2 * q + 1] += g * b.y;
+        }
+      }
+    }
+    if (dx_router) {
+      const float4* r = reinterpret_cast<const float4*>(dx_router + t * vec_per_row * 8 + c * 8);
+      const float4 r0 = r[0], r1 = r[1];
+      acc[0] += r0.x; acc[1] += r0.y; acc[2] += r0.z; acc[3] += r0.w;
+      acc[4] += r1.x; acc[5] += r1.y; acc[6] += r1.z; acc[7] += r1.w;
     }
     Pack8 o;
 #pragma unroll
@@ -158,19 +251,19 @@ Status gather_rows(const bf16* src, int d, const int32_t* idx, int64_t rows, bf1
   return Status{};
 }
 
-Status aggregate(const bf16* Y, const float* scores, const int32_t* rev, int K, int d, int64_t T,
-                 bf16* out, cudaStream_t stream) {
+Status aggregate(const bf16* Y, const float* scores, const int32_t* rev, const int32_t* token_offset, int d,
+                 int64_t T, bf16* out, cudaStream_t stream) {
   const int64_t vpr = d / 8;
   if (T == 0) return Status{};
-  aggregate_kernel<<<grid_for(T * vpr), kThreads, 0, stream>>>(Y, scores, rev, K, vpr, T, out);
+  aggregate_kernel<<<grid_for(T * vpr), kThreads, 0, stream>>>(Y, scores, rev, token_offset, vpr, T, out);
   SMOE_CHECK_LAUNCH("aggregate_kernel");
   return Status{};
 }
 
-Status ds_rowsum(const float* partial, int tiles, const int32_t* scatter, int64_t rows, float* dS,
-                 cudaStream_t stream) {
+Status ds_rowsum(const float* partial, int tiles, const int32_t* scatter, int64_t rows, const int32_t* nnz,
+                 float* dS, cudaStream_t stream) {
   if (rows == 0) return Status{};
-  ds_rowsum_kernel<<<grid_for(rows), kThreads, 0, stream>>>(partial, tiles, scatter, rows, dS);
+  ds_rowsum_kernel<<<grid_for(rows), kThreads, 0, stream>>>(partial, tiles, scatter, rows, nnz, dS);
   SMOE_CHECK_LAUNCH("ds_rowsum_kernel");
   return Status{};
 }
@@ -184,11 +277,26 @@ Status router_backward(const float* dS, const float* scores, const int32_t* topk
   return Status{};
 }
 
-Status dx_sum(const bf16* dXt, const int32_t* rev, const float* dl, const int32_t* topk,
-              const bf16* w_router, int K, int d, int64_t T, bf16* dx, cudaStream_t stream) {
+Status router_backward_tr(const float* dS, const int32_t* entry_expert, const int32_t* token_offset,
+                          const int32_t* topk, const float* topk_score, const float* logits, int K,
+                          int E, int64_t T, bf16* dlogits_dense, cudaStream_t stream) {
+  if (T == 0) return Status{};
+  const int64_t warps_per_block = kThreads / 32;
+  int64_t blocks = (T + warps_per_block - 1) / warps_per_block;
+  if (blocks > 65536) blocks = 65536;
+  router_backward_tr_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+      dS, entry_expert, token_offset, topk, topk_score, logits, K, E, T, dlogits_dense);
+  SMOE_CHECK_LAUNCH("router_backward_tr_kernel");
+  return Status{};
+}
+
+Status dx_sum(const bf16* dXt, const int32_t* rev, const int32_t* token_offset, const float* dl,
+              const int32_t* entry_expert, const bf16* w_router, const float* dx_router, int d, int64_t T,
+              bf16* dx, cudaStream_t stream) {
   if (T == 0) return Status{};
   const int64_t vpr = d / 8;
-  dx_kernel<<<grid_for(T * vpr), kThreads, 0, stream>>>(dXt, rev, dl, topk, w_router, K, vpr, T, dx);
+  dx_kernel<<<grid_for(T * vpr), kThreads, 0, stream>>>(dXt, rev, token_offset, dl, entry_expert, w_router,
+                                                         dx_router, vpr, T, dx);
   SMOE_CHECK_LAUNCH("dx_kernel");
   return Status{};
 }

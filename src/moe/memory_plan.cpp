@@ -8,16 +8,42 @@
 namespace smoe {
 namespace plan {
 
+TokenRoundingProblem rounding_problem(const MoEShape& s, uint64_t seed) {
+  TokenRoundingProblem p;
+  p.num_tokens = s.T;
+  p.num_experts = s.E;
+  p.top_k = s.K;
+  p.m_tile = engine::kRowTile;
+  p.mode = s.rounding;
+  p.seed = seed;
+  p.logits_dtype = DType::kFloat32;
+  return p;
+}
+
+bool uses_router(const MoEShape& s) { return s.router != MoERouter::kProvided; }
+
+namespace {
+size_t row_capacity(const MoEShape& s) {
+  return s.router == MoERouter::kTokenRounding ? static_cast<size_t>(token_rounding_capacity(rounding_problem(s, 0)))
+                                               : static_cast<size_t>(s.T) * s.K;
+}
+}  // namespace
+
 SavedLayout saved_layout(const MoEShape& s, void* base) {
+  const size_t rows = row_capacity(s);
   const size_t tk = static_cast<size_t>(s.T) * s.K;
+  const bool tr = s.router == MoERouter::kTokenRounding;
   detail::Carver c(base);
   SavedLayout l;
-  l.v.h = c.take<bf16>(tk * 2 * s.n);
-  l.v.scores = c.take<float>(tk);
+  l.v.h = c.take<bf16>(rows * 2 * s.n);
+  l.v.scores = c.take<float>(rows);
   l.v.topk_expert = c.take<int32_t>(tk);
-  l.v.scatter_idx = c.take<int32_t>(tk);
-  l.v.reverse_scatter_idx = c.take<int32_t>(tk);
-  l.v.gather_idx = c.take<int32_t>(tk);
+  l.v.entry_expert = tr ? c.take<int32_t>(rows) : l.v.topk_expert;
+  l.v.topk_score = tr ? c.take<float>(tk) : nullptr;
+  l.v.scatter_idx = c.take<int32_t>(rows);
+  l.v.reverse_scatter_idx = c.take<int32_t>(rows);
+  l.v.gather_idx = c.take<int32_t>(rows);
+  l.v.token_offset = c.take<int32_t>(static_cast<size_t>(s.T) + 1);
   l.v.expert_frequency = c.take<int32_t>(s.E);
   l.v.expert_offset = c.take<int32_t>(s.E + 1);
   l.bytes = c.used();
@@ -25,33 +51,46 @@ SavedLayout saved_layout(const MoEShape& s, void* base) {
 }
 
 ForwardWs forward_ws(const MoEShape& s, void* base) {
-  const size_t tk = static_cast<size_t>(s.T) * s.K;
+  const size_t rows = row_capacity(s);
   detail::Carver c(base);
-  ForwardWs w;
-  w.cublas = c.take<char>(kCublasWorkspace);
-  w.logits = c.take<float>(static_cast<size_t>(s.T) * s.E);
-  RoutingProblem rp{s.T, s.E, s.K, DType::kFloat32};
-  w.routing_bytes = routing_workspace_size(rp);
+  ForwardWs w{};
+  if (uses_router(s)) {
+    w.cublas = c.take<char>(kCublasWorkspace);
+    w.logits = c.take<float>(static_cast<size_t>(s.T) * s.E);
+  }
+  if (s.router == MoERouter::kTokenRounding) {
+    if (!token_rounding_workspace_size(rounding_problem(s, 0), &w.routing_bytes).ok()) w.routing_bytes = 0;
+  } else {
+    w.routing_bytes = routing_workspace_size(RoutingProblem{s.T, s.E, s.K, DType::kFloat32});
+  }
   w.routing = c.take<char>(w.routing_bytes);
-  w.act = c.take<bf16>(tk * s.n);
-  w.y = c.take<bf16>(tk * s.d);
+  w.act = c.take<bf16>(rows * s.n);
+  w.y = c.take<bf16>(rows * s.d);
   w.total = c.used();
   return w;
 }
 
 BackwardWs backward_ws(const MoEShape& s, void* base, int sm_count) {
+  const size_t rows = row_capacity(s);
   const size_t tk = static_cast<size_t>(s.T) * s.K;
+  const size_t te = static_cast<size_t>(s.T) * s.E;
   detail::Carver c(base);
-  BackwardWs w;
-  w.cublas = c.take<char>(kCublasWorkspace);
-  w.a_prime = c.take<bf16>(tk * s.n);
-  w.dH = c.take<bf16>(tk * 2 * s.n);
-  w.dXt = c.take<bf16>(tk * s.d);
-  w.ds_partial = c.take<float>(tk * engine::ds_partial_tiles(s.n));
-  w.dS = c.take<float>(tk);
-  w.dl = c.take<float>(tk);
-  w.dlogits = c.take<bf16>(static_cast<size_t>(s.T) * s.E);
-  w.dwr32 = c.take<float>(static_cast<size_t>(s.E) * s.d);
+  BackwardWs w{};
+  if (uses_router(s)) w.cublas = c.take<char>(kCublasWorkspace);
+  w.a_prime = c.take<bf16>(rows * s.n);
+  w.dH = c.take<bf16>(rows * 2 * s.n);
+  w.dXt = c.take<bf16>(rows * s.d);
+  w.ds_partial = c.take<float>(rows * engine::ds_partial_tiles(s.n));
+  if (uses_router(s)) {
+    w.dS = c.take<float>(rows);
+    w.dlogits = c.take<bf16>(te);
+    w.dwr32 = c.take<float>(static_cast<size_t>(s.E) * s.d);
+  }
+  if (s.router == MoERouter::kTopKSoftmax) w.dl = c.take<float>(tk);
+  if (s.router == MoERouter::kTokenRounding) {
+    w.logits = c.take<float>(te);
+    w.dx_router = c.take<float>(static_cast<size_t>(s.T) * s.d);
+  }
   w.cutlass_bytes = gemm::varlen_k_workspace_size(s.E, sm_count);
   w.cutlass = c.take<char>(w.cutlass_bytes);
   w.total = c.used();

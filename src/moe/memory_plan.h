@@ -1,8 +1,10 @@
 // Memory plan of the MoE layer: the saved state (held between forward and backward) and the
 // forward / backward workspaces, all carved from caller buffers by detail::Carver.
 //
-// Held: H [TK][2n] bf16 + scores, top-K ids, scatter / reverse-scatter / gather indices (TK each)
-// + expert frequency / offsets (E, E+1): 4TKn + 20TK + O(E) bytes. x is the caller's.
+// R = moe_row_capacity(shape) grouped rows (T*K; with token rounding the worst case of its rounded
+// counts). Held: H [R][2n] bf16 + scores, scatter / reverse-scatter / gather indices (R each), the
+// top-K ids (TK), token offsets (T+1), expert frequency / offsets (E, E+1); token rounding adds the
+// entry experts (R) and top-K scores (TK): 4Rn + 16R + 4TK (+8TK) + O(T + E) bytes. x is the caller's.
 #pragma once
 
 #include <cstddef>
@@ -21,28 +23,34 @@ struct SavedLayout {
 };
 SavedLayout saved_layout(const MoEShape& s, void* base);
 
+// The token-rounding problem of a kTokenRounding shape (the engine's row tile, the shape's mode).
+TokenRoundingProblem rounding_problem(const MoEShape& s, uint64_t seed);
+bool uses_router(const MoEShape& s);  // false for kProvided: no router GEMM, no router gradient
+
 struct ForwardWs {
-  void* cublas;
-  float* logits;    // [T][E]
+  void* cublas;     // null without a router
+  float* logits;    // [T][E]; null without a router
   void* routing;
   size_t routing_bytes;
-  bf16* act;        // A = SwiGLU(H) [TK][n]
-  bf16* y;          // Y [TK][d]
+  bf16* act;        // A = SwiGLU(H) [R][n]
+  bf16* y;          // Y [R][d]
   size_t total;
 };
 ForwardWs forward_ws(const MoEShape& s, void* base);
 
 struct BackwardWs {
-  void* cublas;
-  bf16* a_prime;    // A' = s * A [TK][n]
-  bf16* dH;         // [TK][2n]
-  bf16* dXt;        // dX~ [TK][d]; before dX~, the gathered dO / x of the CUTLASS dW path
-  float* ds_partial;  // [TK][engine::ds_partial_tiles(n)]
-  float* dS;        // [TK] by flat (token, k)
-  float* dl;        // [TK]
-  bf16* dlogits;    // [T][E]
-  float* dwr32;     // [E][d]
-  void* cutlass;    // the CUTLASS varlen-K workspace (dW path, see dw_path.h)
+  void* cublas;       // null without a router
+  bf16* a_prime;      // A' = s * A [R][n]
+  bf16* dH;           // [R][2n]
+  bf16* dXt;          // dX~ [R][d]; before dX~, the gathered dO / x of the CUTLASS dW path
+  float* ds_partial;  // [R][engine::ds_partial_tiles(n)]
+  float* dS;          // [R] by entry; null for kProvided (the caller's dscores takes it)
+  float* dl;          // [TK] top-K router only
+  bf16* dlogits;      // [T][E] (null without a router)
+  float* dwr32;       // [E][d] (null without a router)
+  float* logits;      // [T][E] token rounding: the logits recomputed for the softmax over E
+  float* dx_router;   // [T][d] token rounding: dlogits W_r (dense: padded scores touch every logit)
+  void* cutlass;      // the CUTLASS varlen-K workspace (dW path, see dw_path.h)
   size_t cutlass_bytes;
   size_t total;
 };

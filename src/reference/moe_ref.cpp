@@ -252,6 +252,16 @@ LayerForward layer_forward_ref(const std::vector<double>& x, const MoEShape& s,
   return f;
 }
 
+LayerForward layer_forward_tr_ref(const std::vector<double>& x, const MoEShape& s, const MoEWeights& w,
+                                  int m_tile, RoundingMode mode, uint64_t seed) {
+  LayerForward f = layer_forward_ref(x, s, w);
+  f.token_rounding = true;
+  f.general = token_rounding_ref(f.logits, s.T, s.E, s.K, m_tile, mode, seed);
+  f.meta = routing_metadata_ref(f.general);
+  f.experts = experts_forward_ref(x, s, w, f.general, f.meta);
+  return f;
+}
+
 LayerGrads layer_backward_ref(const std::vector<double>& x, const std::vector<double>& dO,
                               const MoEShape& s, const MoEWeights& w, const LayerForward& f,
                               BackwardMethod method) {
@@ -263,7 +273,8 @@ LayerGrads layer_backward_ref(const std::vector<double>& x, const std::vector<do
           : experts_backward_sonic_ref(x, dO, s, w, f.general, f.meta, f.experts.h);
 
   LayerGrads g;
-  g.dlogits = router_backward_ref(f.routing, eg.ds);
+  g.dlogits = f.token_rounding ? token_rounding_router_backward_ref(f.logits, f.routing, f.general, eg.ds)
+                               : router_backward_ref(f.routing, eg.ds);
   g.dx = std::move(eg.dx);
   g.dw1 = std::move(eg.dw1);
   g.dw2 = std::move(eg.dw2);

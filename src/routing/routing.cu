@@ -16,22 +16,14 @@
 #include <cub/device/device_radix_sort.cuh>
 
 #include "common/check.h"
+#include "routing/warp_topk.cuh"
 #include "smoe/smoe.h"
 
 namespace smoe {
 namespace {
 
 constexpr int kWarpsPerBlock = 8;
-constexpr int kMaxPerLane = kMaxExperts / 32;  // 16
 constexpr int kThreads = 256;
-
-__device__ __forceinline__ float load_logit(const float* p) { return __ldg(p); }
-__device__ __forceinline__ float load_logit(const bf16* p) { return __bfloat162float(*p); }
-
-// The routing order: larger value first; equal values -> lower expert index first.
-__device__ __forceinline__ bool ranks_before(float v, int i, float bv, int bi) {
-  return v > bv || (v == bv && i < bi);
-}
 
 template <typename TIn>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32)
@@ -41,74 +33,13 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
   const int lane = threadIdx.x & 31;
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
   if (t >= T) return;  // whole warps exit together
-  const TIn* row = logits + t * E;
-
-  float v[kMaxPerLane];
-  uint32_t taken = 0;  // bit j: expert lane+32j already chosen (or does not exist)
-  bool nonfinite = false;
-#pragma unroll
-  for (int j = 0; j < kMaxPerLane; ++j) {
-    const int e = lane + 32 * j;
-    float x = -INFINITY;
-    if (e < E) {
-      x = load_logit(row + e);
-      if (!isfinite(x)) {
-        nonfinite = true;
-        if (isnan(x)) x = -INFINITY;  // NaN ranks below every number (and is reported)
-      }
-    } else {
-      taken |= 1u << j;
-    }
-    v[j] = x;
-  }
-
-  float my_val = -INFINITY;  // lane k < K ends up holding choice k
-  int my_idx = 0;
-  for (int k = 0; k < K; ++k) {
-    float bv = -INFINITY;
-    int bi = INT_MAX;
-#pragma unroll
-    for (int j = 0; j < kMaxPerLane; ++j) {
-      const int e = lane + 32 * j;
-      if (!((taken >> j) & 1u) && ranks_before(v[j], e, bv, bi)) {
-        bv = v[j];
-        bi = e;
-      }
-    }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-      const float ov = __shfl_xor_sync(0xffffffffu, bv, off);
-      const int oi = __shfl_xor_sync(0xffffffffu, bi, off);
-      if (ranks_before(ov, oi, bv, bi)) {
-        bv = ov;
-        bi = oi;
-      }
-    }
-    // K <= E guarantees a real expert was found (bi < E).
-    if (bi < E && (bi & 31) == lane) taken |= 1u << (bi >> 5);
-    if (lane == k) {
-      my_val = bv;
-      my_idx = bi;
-    }
-  }
-
-  // Softmax over the K chosen: the first choice is the maximum.
-  const float mx = __shfl_sync(0xffffffffu, my_val, 0);
-  float ex = (lane < K) ? expf(my_val - mx) : 0.f;
-  float sum = ex;
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+  routing::WarpTopK r;
+  routing::warp_topk_softmax(logits + t * E, E, K, lane, &r);
   if (lane < K) {
-    scores[t * K + lane] = ex / sum;
-    topk_expert[t * K + lane] = my_idx;
+    scores[t * K + lane] = r.score;
+    topk_expert[t * K + lane] = r.idx;
   }
-
-  if (__any_sync(0xffffffffu, nonfinite) && lane == 0) {
-    atomicOr(&status->flags, static_cast<uint32_t>(kStatusNonFiniteLogits));
-    atomicAdd(&status->nonfinite_tokens, 1u);
-    atomicMin(reinterpret_cast<unsigned long long*>(&status->first_nonfinite_token),
-              static_cast<unsigned long long>(t));
-  }
+  routing::record_nonfinite(r.nonfinite, lane, t, status);
 }
 
 __global__ void iota_kernel(uint32_t* __restrict__ p, int64_t n) {
@@ -138,13 +69,58 @@ __global__ void offsets_kernel(const uint32_t* __restrict__ sorted_expert, int64
   }
 }
 
+// nnz: grouped rows in use (device; null = all n). Rows past it hold the empty slots of provided
+// routing: their slot gets reverse -1 and the row gathers token 0 (a valid index, never used).
 __global__ void inverse_kernel(const int32_t* __restrict__ scatter, int64_t n, int K,
-                               int32_t* __restrict__ reverse, int32_t* __restrict__ gather) {
+                               const int32_t* __restrict__ nnz, int32_t* __restrict__ reverse,
+                               int32_t* __restrict__ gather) {
+  const int64_t used = nnz ? *nnz : n;
   for (int64_t r = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; r < n;
        r += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int32_t s = scatter[r];
-    reverse[s] = static_cast<int32_t>(r);
-    gather[r] = s / K;
+    reverse[s] = r < used ? static_cast<int32_t>(r) : -1;
+    gather[r] = r < used ? s / K : 0;
+  }
+}
+
+__global__ void token_offset_kernel(int32_t* __restrict__ token_offset, int64_t T, int K) {
+  for (int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; t <= T;
+       t += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    token_offset[t] = static_cast<int32_t>(t * K);
+}
+
+// Provided routing, one thread per token (K <= 16): an id outside [-1, E) or one the token already
+// listed drops its slot (id -1, score 0) and is flagged; kept slots copy the caller's score. As a
+// sort key, -1 reads 0xFFFFFFFF, whose low key_bits(E+1) bits are all ones (>= E): empty slots sort
+// after every expert, so expert_offset[E] counts the kept slots.
+__global__ void provided_slots_kernel(const int32_t* __restrict__ expert_in, const float* __restrict__ scores_in,
+                                      int64_t T, int E, int K, int32_t* __restrict__ expert_out,
+                                      float* __restrict__ scores_out, DeviceStatus* status) {
+  for (int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; t < T;
+       t += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    int32_t ids[kMaxTopK];
+    uint32_t flags = 0;
+    for (int k = 0; k < K; ++k) {
+      int32_t id = expert_in[t * K + k];
+      if (id < -1 || id >= E) {
+        flags |= kStatusInvalidExpertId;
+        id = -1;
+      }
+      for (int j = 0; j < k && id >= 0; ++j)
+        if (ids[j] == id) {
+          flags |= kStatusDuplicateExpert;
+          id = -1;
+        }
+      ids[k] = id;
+      float sc = 0.f;
+      if (id >= 0) {
+        sc = scores_in[t * K + k];
+        if (!isfinite(sc)) flags |= kStatusNonFiniteScores;
+      }
+      expert_out[t * K + k] = id;
+      scores_out[t * K + k] = sc;
+    }
+    if (flags) atomicOr(&status->flags, flags);
   }
 }
 
@@ -165,6 +141,7 @@ struct RoutingWorkspace {
   size_t keys_off = 0, vals_off = 0, cub_off = 0, cub_bytes = 0, total = 0;
 };
 
+// The sort runs on key_bits(E + 1) bits: enough for the empty-slot key of provided routing too.
 Status plan_workspace(const RoutingProblem& p, RoutingWorkspace* ws) {
   const int64_t tk = p.num_tokens * p.top_k;
   ws->keys_off = 0;
@@ -175,7 +152,7 @@ Status plan_workspace(const RoutingProblem& p, RoutingWorkspace* ws) {
     SMOE_CUDA_RETURN(cub::DeviceRadixSort::SortPairs(
         nullptr, ws->cub_bytes, static_cast<const uint32_t*>(nullptr), static_cast<uint32_t*>(nullptr),
         static_cast<const uint32_t*>(nullptr), static_cast<uint32_t*>(nullptr),
-        static_cast<int>(tk), 0, key_bits(p.num_experts)));
+        static_cast<int>(tk), 0, key_bits(p.num_experts + 1)));
   }
   ws->total = ws->cub_off + detail::align_workspace(ws->cub_bytes);
   return Status{};
@@ -239,18 +216,14 @@ size_t routing_workspace_size(const RoutingProblem& p) {
   return routing_workspace_size(p, &bytes).ok() ? bytes : 0;
 }
 
-Status topk_routing(const RoutingProblem& p, const void* logits, const RoutingOutputs& o,
-                    void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+namespace {
+
+// The argument rules topk_routing and provided_routing share; fills *ws.
+Status check_routing_call(const char* fn, const RoutingProblem& p, const RoutingOutputs& o, void* workspace,
+                          size_t workspace_bytes, RoutingWorkspace* ws) {
   using detail::check_ptr;
-  SMOE_RETURN_IF_ERROR(routing_can_implement(p));
-  const char* fn = "topk_routing";
-  const int64_t T = p.num_tokens;
-  const int E = p.num_experts, K = p.top_k;
-  const int64_t tk = T * K;
-  const bool has_rows = tk > 0;
+  const bool has_rows = p.num_tokens * p.top_k > 0;
   if (has_rows) {
-    SMOE_RETURN_IF_ERROR(
-        check_ptr(logits, fn, "logits", p.logits_dtype == DType::kFloat32 ? 4 : 2));
     SMOE_RETURN_IF_ERROR(check_ptr(o.scores, fn, "outputs.scores", 4));
     SMOE_RETURN_IF_ERROR(check_ptr(o.topk_expert, fn, "outputs.topk_expert", 4));
     SMOE_RETURN_IF_ERROR(check_ptr(o.scatter_idx, fn, "outputs.scatter_idx", 4));
@@ -261,32 +234,33 @@ Status topk_routing(const RoutingProblem& p, const void* logits, const RoutingOu
   SMOE_RETURN_IF_ERROR(check_ptr(o.expert_frequency, fn, "outputs.expert_frequency", 4));
   SMOE_RETURN_IF_ERROR(check_ptr(o.expert_offset, fn, "outputs.expert_offset", 4));
   SMOE_RETURN_IF_ERROR(check_ptr(o.status, fn, "outputs.status", 8));
-
-  RoutingWorkspace ws;
-  SMOE_RETURN_IF_ERROR(plan_workspace(p, &ws));
-  if (workspace_bytes < ws.total)
+  if (o.token_offset) SMOE_RETURN_IF_ERROR(check_ptr(o.token_offset, fn, "outputs.token_offset", 4));
+  SMOE_RETURN_IF_ERROR(plan_workspace(p, ws));
+  if (workspace_bytes < ws->total)
     return detail::make_status(
         StatusCode::kWorkspaceTooSmall,
         detail::concat(fn, ": workspace_bytes = ", workspace_bytes,
-                       " is smaller than routing_workspace_size() = ", ws.total));
+                       " is smaller than routing_workspace_size() = ", ws->total));
+  return Status{};
+}
 
-  if (!has_rows) {
+// From the per-entry expert ids in o.topk_expert (-1 = empty, sorting last): sort, offsets,
+// inverse, token offsets. `has_empty`: rows past expert_offset[E] are empty slots.
+Status group_entries(const RoutingProblem& p, const RoutingOutputs& o, const RoutingWorkspace& ws,
+                     void* workspace, bool has_empty, cudaStream_t stream) {
+  const int64_t T = p.num_tokens;
+  const int E = p.num_experts, K = p.top_k;
+  const int64_t tk = T * K;
+  if (o.token_offset) {
+    token_offset_kernel<<<grid_for(T + 1, kThreads), kThreads, 0, stream>>>(o.token_offset, T, K);
+    SMOE_CHECK_LAUNCH("token_offset_kernel");
+  }
+  if (tk == 0) {
     // No routed rows: every expert is empty.
     SMOE_CUDA_RETURN(cudaMemsetAsync(o.expert_frequency, 0, sizeof(int32_t) * E, stream));
     SMOE_CUDA_RETURN(cudaMemsetAsync(o.expert_offset, 0, sizeof(int32_t) * (E + 1), stream));
     return Status{};
   }
-
-  const int64_t blocks = (T + kWarpsPerBlock - 1) / kWarpsPerBlock;
-  if (p.logits_dtype == DType::kFloat32) {
-    topk_softmax_kernel<float><<<static_cast<unsigned>(blocks), kWarpsPerBlock * 32, 0, stream>>>(
-        static_cast<const float*>(logits), T, E, K, o.scores, o.topk_expert, o.status);
-  } else {
-    topk_softmax_kernel<bf16><<<static_cast<unsigned>(blocks), kWarpsPerBlock * 32, 0, stream>>>(
-        static_cast<const bf16*>(logits), T, E, K, o.scores, o.topk_expert, o.status);
-  }
-  SMOE_CHECK_LAUNCH("topk_softmax_kernel");
-
   char* base = static_cast<char*>(workspace);
   uint32_t* sorted_keys = reinterpret_cast<uint32_t*>(base + ws.keys_off);
   uint32_t* iota = reinterpret_cast<uint32_t*>(base + ws.vals_off);
@@ -296,16 +270,64 @@ Status topk_routing(const RoutingProblem& p, const void* logits, const RoutingOu
   size_t cub_bytes = ws.cub_bytes;
   SMOE_CUDA_RETURN(cub::DeviceRadixSort::SortPairs(
       base + ws.cub_off, cub_bytes, reinterpret_cast<const uint32_t*>(o.topk_expert), sorted_keys,
-      iota, reinterpret_cast<uint32_t*>(o.scatter_idx), static_cast<int>(tk), 0, key_bits(E),
+      iota, reinterpret_cast<uint32_t*>(o.scatter_idx), static_cast<int>(tk), 0, key_bits(E + 1),
       stream));
 
   offsets_kernel<<<(E + 1 + kThreads - 1) / kThreads, kThreads, 0, stream>>>(
       sorted_keys, tk, E, o.expert_offset, o.expert_frequency);
   SMOE_CHECK_LAUNCH("offsets_kernel");
   inverse_kernel<<<grid_for(tk, kThreads), kThreads, 0, stream>>>(
-      o.scatter_idx, tk, K, o.reverse_scatter_idx, o.gather_idx);
+      o.scatter_idx, tk, K, has_empty ? o.expert_offset + E : nullptr, o.reverse_scatter_idx, o.gather_idx);
   SMOE_CHECK_LAUNCH("inverse_kernel");
   return Status{};
+}
+
+}  // namespace
+
+Status topk_routing(const RoutingProblem& p, const void* logits, const RoutingOutputs& o,
+                    void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+  SMOE_RETURN_IF_ERROR(routing_can_implement(p));
+  const char* fn = "topk_routing";
+  const int64_t T = p.num_tokens;
+  const int E = p.num_experts, K = p.top_k;
+  if (T * K > 0)
+    SMOE_RETURN_IF_ERROR(
+        detail::check_ptr(logits, fn, "logits", p.logits_dtype == DType::kFloat32 ? 4 : 2));
+  RoutingWorkspace ws;
+  SMOE_RETURN_IF_ERROR(check_routing_call(fn, p, o, workspace, workspace_bytes, &ws));
+
+  if (T > 0) {
+    const int64_t blocks = (T + kWarpsPerBlock - 1) / kWarpsPerBlock;
+    if (p.logits_dtype == DType::kFloat32) {
+      topk_softmax_kernel<float><<<static_cast<unsigned>(blocks), kWarpsPerBlock * 32, 0, stream>>>(
+          static_cast<const float*>(logits), T, E, K, o.scores, o.topk_expert, o.status);
+    } else {
+      topk_softmax_kernel<bf16><<<static_cast<unsigned>(blocks), kWarpsPerBlock * 32, 0, stream>>>(
+          static_cast<const bf16*>(logits), T, E, K, o.scores, o.topk_expert, o.status);
+    }
+    SMOE_CHECK_LAUNCH("topk_softmax_kernel");
+  }
+  return group_entries(p, o, ws, workspace, /*has_empty=*/false, stream);
+}
+
+Status provided_routing(const RoutingProblem& p, const int32_t* expert, const float* scores,
+                        const RoutingOutputs& o, void* workspace, size_t workspace_bytes,
+                        cudaStream_t stream) {
+  SMOE_RETURN_IF_ERROR(routing_can_implement(p));
+  const char* fn = "provided_routing";
+  const int64_t T = p.num_tokens;
+  if (T * p.top_k > 0) {
+    SMOE_RETURN_IF_ERROR(detail::check_ptr(expert, fn, "expert", 4));
+    SMOE_RETURN_IF_ERROR(detail::check_ptr(scores, fn, "scores", 4));
+  }
+  RoutingWorkspace ws;
+  SMOE_RETURN_IF_ERROR(check_routing_call(fn, p, o, workspace, workspace_bytes, &ws));
+  if (T > 0) {
+    provided_slots_kernel<<<grid_for(T, kThreads), kThreads, 0, stream>>>(
+        expert, scores, T, p.num_experts, p.top_k, o.topk_expert, o.scores, o.status);
+    SMOE_CHECK_LAUNCH("provided_slots_kernel");
+  }
+  return group_entries(p, o, ws, workspace, /*has_empty=*/true, stream);
 }
 
 }  // namespace smoe

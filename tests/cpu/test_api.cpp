@@ -270,3 +270,94 @@ TEST(LayerValidation, BackwardArgumentsRejectedBeforeAnyCudaCall) {
     expect_error(smoe::moe_backward(a, nullptr), c.code, c.name);
   }
 }
+
+// Routing modes of the layer: their own rules, checked before any CUDA call like the rest.
+TEST(LayerValidation, RoutingModesRules) {
+  using C = smoe::StatusCode;
+  smoe::MoEShape s{1000, 512, 256, 16, 4};
+  s.router = static_cast<smoe::MoERouter>(7);
+  expect_error(smoe::moe_can_implement(s), C::kInvalidArgument, "router = 7");
+  s.router = smoe::MoERouter::kTokenRounding;
+  s.rounding = static_cast<smoe::TokenRoundingMode>(9);
+  EXPECT_FALSE(smoe::moe_can_implement(s).ok()) << "a rounding mode outside the enum must be rejected";
+  EXPECT_EQ(smoe::moe_saved_state_size(s), 0u);
+
+  // Row capacity: T*K, or the worst case of token rounding with the engine's tile.
+  const int tile = smoe::moe_token_rounding_tile(s);
+  EXPECT_EQ(tile, 128);
+  for (smoe::TokenRoundingMode m : {smoe::TokenRoundingMode::kNearest, smoe::TokenRoundingMode::kUp,
+                                    smoe::TokenRoundingMode::kStochastic}) {
+    s.rounding = m;
+    EXPECT_EQ(smoe::moe_row_capacity(s), std::min<int64_t>(1000 * 16, 1000 * 4 + 16 * (tile - 1)));
+  }
+  s.rounding = smoe::TokenRoundingMode::kDown;
+  EXPECT_EQ(smoe::moe_row_capacity(s), 4000);
+  s.router = smoe::MoERouter::kProvided;
+  EXPECT_EQ(smoe::moe_row_capacity(s), 4000);
+  smoe::MoEShape topk{1000, 512, 256, 16, 4};
+  smoe::MoEShape tr = topk;
+  tr.router = smoe::MoERouter::kTokenRounding;
+  tr.rounding = smoe::TokenRoundingMode::kUp;
+  EXPECT_GT(smoe::moe_saved_state_size(tr), smoe::moe_saved_state_size(topk)) << "TR holds more rows";
+  EXPECT_GT(smoe::moe_forward_workspace_size(tr), smoe::moe_forward_workspace_size(topk));
+}
+
+TEST(LayerValidation, ProvidedRoutingArgumentsRejectedBeforeAnyCudaCall) {
+  using C = smoe::StatusCode;
+  smoe::MoEShape s{1000, 512, 256, 16, 4, smoe::MoERouter::kProvided};
+  auto good = [&]() {
+    smoe::MoEForwardArgs a = good_forward(s);
+    a.routed_expert = fake<const int32_t>(13 * kSlot);
+    a.routed_scores = fake<const float>(14 * kSlot);
+    return a;
+  };
+  smoe::MoEForwardArgs a = good();
+  a.routed_expert = nullptr;
+  expect_error(smoe::moe_forward(a, nullptr), C::kInvalidArgument, "routed_expert");
+  a = good();
+  a.routed_scores = fake<const float>(14 * kSlot + 2);
+  expect_error(smoe::moe_forward(a, nullptr), C::kMisalignedPointer, "routed_scores");
+  a = good();
+  a.out = fake<smoe::bf16>(13 * kSlot + 64);  // the output on the caller's routing
+  expect_error(smoe::moe_forward(a, nullptr), C::kInvalidArgument, "overlaps routed_expert");
+  // The router weights are not used: null passes their check (the call then stops at the workspace).
+  a = good();
+  a.weights.w_router = nullptr;
+  a.workspace_bytes -= 1;
+  expect_error(smoe::moe_forward(a, nullptr), C::kWorkspaceTooSmall, "workspace_bytes");
+
+  smoe::MoEBackwardArgs b = good_backward(s);
+  b.dscores = nullptr;
+  expect_error(smoe::moe_backward(b, nullptr), C::kInvalidArgument, "dscores");
+  b = good_backward(s);
+  b.dscores = fake<float>(15 * kSlot);
+  b.dw_router = nullptr;  // not written with provided routing
+  b.weights.w_router = nullptr;
+  b.dw2 = nullptr;  // checked after the router arguments: the error proves they passed
+  expect_error(smoe::moe_backward(b, nullptr), C::kInvalidArgument, "dw2 is null");
+  b = good_backward(s);
+  b.dscores = fake<float>(5 * kSlot);  // on dout
+  expect_error(smoe::moe_backward(b, nullptr), C::kInvalidArgument, "dscores");
+}
+
+// T = 0 is a valid batch (an empty micro-batch): token tensors may be null.
+TEST(LayerValidation, ZeroTokensAcceptNullTokenTensors) {
+  using C = smoe::StatusCode;
+  for (smoe::MoERouter r : {smoe::MoERouter::kTopKSoftmax, smoe::MoERouter::kTokenRounding, smoe::MoERouter::kProvided}) {
+    const smoe::MoEShape s{0, 512, 256, 16, 4, r};
+    ASSERT_TRUE(smoe::moe_can_implement(s).ok());
+    EXPECT_EQ(smoe::moe_row_capacity(s), 0);
+    smoe::MoEForwardArgs a = good_forward(s);
+    a.x = nullptr;
+    a.out = nullptr;
+    a.status = nullptr;  // checked after x and out: the error proves they passed
+    expect_error(smoe::moe_forward(a, nullptr), C::kInvalidArgument, "status is null");
+    smoe::MoEBackwardArgs b = good_backward(s);
+    b.x = nullptr;
+    b.dout = nullptr;
+    b.dx = nullptr;
+    b.dscores = nullptr;  // no slot either
+    b.dw2 = nullptr;      // checked after the token tensors
+    expect_error(smoe::moe_backward(b, nullptr), C::kInvalidArgument, "dw2 is null");
+  }
+}

@@ -138,6 +138,11 @@ struct GpuLayer {
   DeviceBuffer<bf16> x, wr, w1, w2, dout, out, dx, dwr, dw1, dw2;
   DeviceBuffer<uint8_t> saved, wsf, wsb;
   DeviceBuffer<smoe::DeviceStatus> status;
+  // kProvided: the caller's routing and the score gradient; kTokenRounding: the SR seed.
+  DeviceBuffer<int32_t> routed_expert;
+  DeviceBuffer<float> routed_scores, dscores;
+  uint64_t rounding_seed = 0;
+  bool expect_clean_status = true;
 
   explicit GpuLayer(const smoe::MoEShape& shape) : s(shape) {
     const size_t td = static_cast<size_t>(s.T) * s.d, wrn = static_cast<size_t>(s.E) * s.d,
@@ -152,6 +157,11 @@ struct GpuLayer {
     dwr.reset(wrn);
     dw1.reset(w1n);
     dw2.reset(w2n);
+    if (s.router == smoe::MoERouter::kProvided) {
+      routed_expert.reset(static_cast<size_t>(s.T) * s.K);
+      routed_scores.reset(static_cast<size_t>(s.T) * s.K);
+      dscores.reset(static_cast<size_t>(s.T) * s.K);
+    }
     saved.reset(smoe::moe_saved_state_size(s));
     wsf.reset(smoe::moe_forward_workspace_size(s));
     wsb.reset(smoe::moe_backward_workspace_size(s));
@@ -182,6 +192,7 @@ struct GpuLayer {
     if (poison) {
       for (auto* b : {&out, &dx, &dwr, &dw1, &dw2}) EXPECT_EQ(b->poison(), cudaSuccess);
       EXPECT_EQ(saved.poison(), cudaSuccess);
+      EXPECT_EQ(dscores.poison(), cudaSuccess);
     }
     smoe::Status st = smoe::reset_device_status(status.get(), 0);
     if (!st.ok()) return st;
@@ -195,6 +206,9 @@ struct GpuLayer {
     f.workspace = wsf.get();
     f.workspace_bytes = wsf.bytes();
     f.status = status.get();
+    f.routed_expert = routed_expert.get();
+    f.routed_scores = routed_scores.get();
+    f.rounding_seed = rounding_seed;
     st = smoe::moe_forward(f, 0);
     if (!st.ok()) return st;
     smoe::MoEBackwardArgs b;
@@ -205,7 +219,8 @@ struct GpuLayer {
     b.saved = saved.get();
     b.saved_bytes = saved.bytes();
     b.dx = dx.get();
-    b.dw_router = dwr.get();
+    b.dw_router = s.router == smoe::MoERouter::kProvided ? nullptr : dwr.get();
+    b.dscores = dscores.get();
     b.dw1 = dw1.get();
     b.dw2 = dw2.get();
     b.workspace = wsb.get();
@@ -230,7 +245,7 @@ struct GpuLayer {
     EXPECT_EQ(cudaMemcpy(o.topk.data(), v.topk_expert, tk * 4, cudaMemcpyDeviceToHost), cudaSuccess);
     EXPECT_EQ(cudaMemcpy(o.scores.data(), v.scores, tk * 4, cudaMemcpyDeviceToHost), cudaSuccess);
     const smoe::DeviceStatus ds = status.download()[0];
-    EXPECT_EQ(ds.flags, 0u) << "unexpected non-finite logits";
+    if (expect_clean_status) EXPECT_EQ(ds.flags, 0u) << "unexpected device status flags";
     return o;
   }
 };
@@ -283,7 +298,212 @@ void check_against_cpu(const smoe::MoEShape& s, int hot_expert = -1) {
   FAIL() << "three draws in a row had near-ties";
 }
 
+// ---- Caller-provided routing ---------------------------------------------------------------
+// Random slots: each token uses 0..K distinct experts (from `pool`, a subset of [0, E) so that other
+// experts stay empty) in random slots, -1 elsewhere; scores in (0.05, 1) like sigmoid gates.
+struct Slots {
+  std::vector<int32_t> expert;  // [T][K]
+  std::vector<float> score;     // [T][K]
+};
+Slots random_slots(const smoe::MoEShape& s, std::mt19937_64& rng, int pool, int hot = -1) {
+  Slots sl;
+  sl.expert.assign(static_cast<size_t>(s.T) * s.K, -1);
+  sl.score.assign(static_cast<size_t>(s.T) * s.K, 0.f);
+  std::uniform_real_distribution<float> u(0.05f, 1.f);
+  for (int64_t t = 0; t < s.T; ++t) {
+    std::vector<int> experts(pool);
+    for (int e = 0; e < pool; ++e) experts[e] = e * (s.E / pool);
+    std::shuffle(experts.begin(), experts.end(), rng);
+    if (hot >= 0) {  // the hot expert first, in every token
+      auto it = std::find(experts.begin(), experts.end(), hot);
+      if (it == experts.end()) experts.insert(experts.begin(), hot); else std::iter_swap(experts.begin(), it);
+    }
+    const int m = hot >= 0 ? 1 + static_cast<int>(rng() % s.K)
+                           : static_cast<int>(rng() % (std::min(s.K, pool) + 1));
+    std::vector<int> slots(s.K);
+    for (int k = 0; k < s.K; ++k) slots[k] = k;
+    std::shuffle(slots.begin(), slots.end(), rng);
+    for (int i = 0; i < m && i < pool; ++i) {
+      sl.expert[t * s.K + slots[i]] = experts[i];
+      sl.score[t * s.K + slots[i]] = u(rng);
+    }
+  }
+  return sl;
+}
+
+// The float64 reference of provided routing: entries are the kept slots (token-major, slot order).
+// `kept[slot]` says which slots the library must use (valid, first occurrence in the token).
+void check_provided(const smoe::MoEShape& s, const Slots& sl, const Inputs& in, const std::vector<bool>& kept,
+                    uint32_t expect_flags) {
+  GpuLayer g(in);
+  g.expect_clean_status = false;
+  ASSERT_EQ(g.routed_expert.upload(sl.expert), cudaSuccess);
+  ASSERT_EQ(g.routed_scores.upload(sl.score), cudaSuccess);
+  const smoe::Status st = g.run();
+  ASSERT_TRUE(st.ok()) << st.message;
+  const Outputs o = g.download();
+  EXPECT_EQ(g.status.download()[0].flags, expect_flags) << "device status flags";
+
+  namespace R = smoe::ref;
+  R::GeneralRouting r;
+  r.T = s.T;
+  r.E = s.E;
+  r.token_offset.assign(static_cast<size_t>(s.T) + 1, 0);
+  std::vector<int64_t> slot_of_entry;
+  for (int64_t t = 0; t < s.T; ++t) {
+    for (int k = 0; k < s.K; ++k) {
+      const int64_t i = t * s.K + k;
+      if (!kept[i]) continue;
+      r.expert.push_back(sl.expert[i]);
+      r.score.push_back(sl.score[i]);
+      slot_of_entry.push_back(i);
+    }
+    r.token_offset[t + 1] = static_cast<int64_t>(r.expert.size());
+  }
+  const R::MoEShape rs{s.T, s.d, s.n, s.E, s.K};
+  const R::MoEWeights w{in.wrd, in.w1d, in.w2d};
+  const R::RoutingMetadata m = R::routing_metadata_ref(r);
+  const R::ExpertForward f = R::experts_forward_ref(in.xd, rs, w, r, m);
+  const R::ExpertGrads gr = R::experts_backward_sonic_ref(in.xd, in.doutd, rs, w, r, m, f.h);
+  std::vector<double> ds_slots(static_cast<size_t>(s.T) * s.K, 0.0);
+  for (size_t j = 0; j < slot_of_entry.size(); ++j) ds_slots[slot_of_entry[j]] = gr.ds[j];
+  const std::vector<float> dsc = g.dscores.download();
+  int64_t nonzero_empty = 0;
+  for (size_t i = 0; i < dsc.size(); ++i) nonzero_empty += !kept[i] && dsc[i] != 0.f;  // NaN counts too
+  EXPECT_EQ(nonzero_empty, 0) << "dscores of empty / dropped slots must be exactly 0";
+  EXPECT_LE(rel_l2(o.out, f.o), kTol) << "out";
+  EXPECT_LE(rel_l2(o.dx, gr.dx), kTol) << "dx (expert path)";
+  EXPECT_LE(rel_l2(o.dw1, gr.dw1), kTol) << "dw1";
+  EXPECT_LE(rel_l2(o.dw2, gr.dw2), kTol) << "dw2";
+  EXPECT_LE(rel_l2(dsc, ds_slots), kTol) << "dscores";
+  std::printf("  provided %-26s out %.2e dx %.2e dw1 %.2e dw2 %.2e ds %.2e\n", shape_name(s).c_str(),
+              rel_l2(o.out, f.o), rel_l2(o.dx, gr.dx), rel_l2(o.dw1, gr.dw1), rel_l2(o.dw2, gr.dw2),
+              rel_l2(dsc, ds_slots));
+}
+
+// ---- Token rounding ------------------------------------------------------------------------------
+void check_token_rounding(const smoe::MoEShape& s, uint64_t rounding_seed) {
+  namespace R = smoe::ref;
+  const R::RoundingMode modes[] = {R::RoundingMode::kNearest, R::RoundingMode::kUp, R::RoundingMode::kDown,
+                                   R::RoundingMode::kStochastic};
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    const uint64_t seed = fresh_seed();
+    SCOPED_TRACE(shape_name(s) + " mode " + std::to_string(static_cast<int>(s.rounding)) + " seed=" +
+                 std::to_string(seed));
+    const Inputs in = make_inputs(s, seed);
+    GpuLayer g(in);
+    g.rounding_seed = rounding_seed;
+    const smoe::Status st = g.run();
+    ASSERT_TRUE(st.ok()) << st.message;
+    const Outputs o = g.download();
+    const R::MoEShape rs{s.T, s.d, s.n, s.E, s.K};
+    const R::MoEWeights w{in.wrd, in.w1d, in.w2d};
+    const R::LayerForward f = R::layer_forward_tr_ref(in.xd, rs, w, smoe::moe_token_rounding_tile(s),
+                                                      modes[static_cast<int>(s.rounding)], rounding_seed);
+    // The rounded routing the library used, from the saved state.
+    const smoe::MoESavedView v = smoe::moe_saved_state_view(s, g.saved.get());
+    std::vector<int32_t> toff(static_cast<size_t>(s.T) + 1);
+    CUDA_OK(cudaMemcpy(toff.data(), v.token_offset, toff.size() * 4, cudaMemcpyDeviceToHost));
+    std::vector<int32_t> ent(static_cast<size_t>(toff.back()));
+    if (!ent.empty()) CUDA_OK(cudaMemcpy(ent.data(), v.entry_expert, ent.size() * 4, cudaMemcpyDeviceToHost));
+    if (o.topk != f.routing.expert || std::vector<int32_t>(ent) != f.general.expert ||
+        !std::equal(toff.begin(), toff.end(), f.general.token_offset.begin())) {
+      std::printf("  near-tie in logits or scores (fp32 vs float64) changed the rounded routing, redrawing\n");
+      continue;
+    }
+    int64_t padded = 0, dropped = 0;
+    {
+      const R::RoutingMetadata m = R::routing_metadata_ref(R::to_general(f.routing));
+      for (int e = 0; e < s.E; ++e) {
+        const int64_t before = m.expert_frequency[e], after = f.meta.expert_frequency[e];
+        padded += std::max<int64_t>(after - before, 0);
+        dropped += std::max<int64_t>(before - after, 0);
+      }
+    }
+    const R::LayerGrads gr = R::layer_backward_ref(in.xd, in.doutd, rs, w, f, R::BackwardMethod::kSonic);
+    EXPECT_LE(rel_l2(o.out, f.experts.o), kTol) << "out";
+    EXPECT_LE(rel_l2(o.dx, gr.dx), kTol) << "dx";
+    EXPECT_LE(rel_l2(o.dwr, gr.dw_router), kTol) << "dw_router";
+    EXPECT_LE(rel_l2(o.dw1, gr.dw1), kTol) << "dw1";
+    EXPECT_LE(rel_l2(o.dw2, gr.dw2), kTol) << "dw2";
+    std::printf("  TR mode %d %-24s +%lld -%lld rows: out %.2e dx %.2e dwr %.2e dw1 %.2e dw2 %.2e\n",
+                static_cast<int>(s.rounding), shape_name(s).c_str(), static_cast<long long>(padded),
+                static_cast<long long>(dropped), rel_l2(o.out, f.experts.o), rel_l2(o.dx, gr.dx),
+                rel_l2(o.dwr, gr.dw_router), rel_l2(o.dw1, gr.dw1), rel_l2(o.dw2, gr.dw2));
+    return;
+  }
+  FAIL() << "three draws in a row had near-ties";
+}
+
 }  // namespace
+
+TEST(GpuLayerRouting, ProvidedAgainstFloat64Reference) {
+  struct C { smoe::MoEShape s; int pool; int hot; };
+  const C cases[] = {
+      {{300, 128, 64, 8, 2, smoe::MoERouter::kProvided}, 8, -1},    // T not a multiple of 128
+      {{129, 64, 64, 4, 1, smoe::MoERouter::kProvided}, 4, -1},     // K = 1: some tokens unrouted
+      {{200, 64, 128, 64, 4, smoe::MoERouter::kProvided}, 16, -1},  // 48 of 64 experts empty
+      {{64, 64, 64, 512, 16, smoe::MoERouter::kProvided}, 512, -1}, // E = 512, K = 16
+      {{257, 128, 64, 16, 3, smoe::MoERouter::kProvided}, 16, 5},   // one hot expert in every token
+  };
+  for (const C& c : cases) {
+    const uint64_t seed = fresh_seed();
+    SCOPED_TRACE(shape_name(c.s) + " seed=" + std::to_string(seed));
+    std::mt19937_64 rng(seed ^ 0x5eed);
+    const Inputs in = make_inputs(c.s, seed);
+    const Slots sl = random_slots(c.s, rng, c.pool, c.hot);
+    std::vector<bool> kept(sl.expert.size());
+    for (size_t i = 0; i < kept.size(); ++i) kept[i] = sl.expert[i] >= 0;
+    check_provided(c.s, sl, in, kept, 0u);
+  }
+}
+
+// Bad ids are data on the device: they drop their slot and raise a flag, never a crash or a silent
+// wrong result (the rest of the routing is computed exactly as without those slots).
+TEST(GpuLayerRouting, ProvidedInvalidIdsDroppedAndFlagged) {
+  const smoe::MoEShape s{100, 64, 64, 8, 4, smoe::MoERouter::kProvided};
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed=" + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  const Inputs in = make_inputs(s, seed);
+  Slots sl = random_slots(s, rng, 8);
+  std::vector<bool> kept(sl.expert.size());
+  for (size_t i = 0; i < kept.size(); ++i) kept[i] = sl.expert[i] >= 0;
+  // token 3: an id past E; token 7: -2; token 11: a huge id; token 20: a duplicate in a later slot.
+  sl.expert[3 * 4 + 1] = 8, sl.score[3 * 4 + 1] = 0.5f, kept[3 * 4 + 1] = false;
+  sl.expert[7 * 4 + 0] = -2, sl.score[7 * 4 + 0] = 0.5f, kept[7 * 4 + 0] = false;
+  sl.expert[11 * 4 + 2] = 1 << 30, sl.score[11 * 4 + 2] = 0.5f, kept[11 * 4 + 2] = false;
+  for (int k = 0; k < 4; ++k) sl.expert[20 * 4 + k] = -1, kept[20 * 4 + k] = false;
+  sl.expert[20 * 4 + 0] = 6, sl.score[20 * 4 + 0] = 0.7f, kept[20 * 4 + 0] = true;
+  sl.expert[20 * 4 + 2] = 6, sl.score[20 * 4 + 2] = 0.3f;  // the duplicate: dropped
+  check_provided(s, sl, in, kept, smoe::kStatusInvalidExpertId | smoe::kStatusDuplicateExpert);
+}
+
+TEST(GpuLayerRouting, TokenRoundingAgainstFloat64Reference) {
+  using M = smoe::TokenRoundingMode;
+  // Average rows per expert 75, 175 and 32 against the 128-row tile: every mode pads some experts
+  // and drops from others; E = 64 leaves experts empty after rounding down.
+  const smoe::MoEShape shapes[] = {{300, 128, 64, 8, 2}, {700, 64, 128, 16, 4}, {129, 64, 64, 4, 1},
+                                   {512, 64, 64, 64, 4}};
+  for (smoe::MoEShape s : shapes) {
+    s.router = smoe::MoERouter::kTokenRounding;
+    for (M mode : {M::kNearest, M::kUp, M::kDown, M::kStochastic}) {
+      s.rounding = mode;
+      check_token_rounding(s, mode == M::kStochastic ? fresh_seed() : 0);
+    }
+  }
+}
+
+TEST(GpuLayerRouting, ZeroTokens) {
+  for (smoe::MoERouter r : {smoe::MoERouter::kProvided, smoe::MoERouter::kTokenRounding}) {
+    const smoe::MoEShape s{0, 64, 64, 8, 2, r};
+    GpuLayer g(s);
+    const smoe::Status st = g.run();
+    ASSERT_TRUE(st.ok()) << st.message;
+    for (float v : to_float(g.dw1.download())) ASSERT_EQ(v, 0.f) << "dw1 of T = 0 must be zero";
+    for (float v : to_float(g.dw2.download())) ASSERT_EQ(v, 0.f) << "dw2 of T = 0 must be zero";
+  }
+}
 
 TEST(GpuLayer, SmallShapesAgainstFloat64Reference) {
   check_against_cpu({300, 128, 64, 8, 2});     // T not a multiple of 128

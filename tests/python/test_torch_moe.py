@@ -207,3 +207,182 @@ def test_tiny_model_trains_like_torch_reference():
     print(f"loss: start {first:.4f}, ours {last_a:.4f}, torch fp32 {last_b:.4f}")
     assert last_a < 0.5 * first
     assert abs(last_a - last_b) <= 0.15 * last_b + 1e-3
+
+
+# ---- Caller-provided routing: a DeepSeek-V3-style router written in torch -------------------------
+def deepseek_route(x, wr, bias, K, n_group, topk_group, scale):
+    """Sigmoid scores, a load-balancing bias for selection only, group-limited top-K, the chosen
+    scores renormalised and scaled (DeepSeek-V3 / Kimi-K2). Returns (expert [T,K] int64, scores)."""
+    s = torch.sigmoid(x.float() @ wr.float().T)                      # [T, E], differentiable
+    sel = s.detach() + bias                                          # bias: selection only
+    T, E = s.shape
+    g = sel.view(T, n_group, E // n_group).topk(2, dim=-1).values.sum(-1)   # group score: top-2 sum
+    keep = torch.zeros_like(g).scatter_(1, g.topk(topk_group, dim=-1).indices, 1.0)
+    mask = keep.repeat_interleave(E // n_group, dim=1) > 0
+    idx = sel.masked_fill(~mask, float("-inf")).topk(K, dim=-1).indices
+    w = s.gather(1, idx)
+    return idx, scale * w / w.sum(-1, keepdim=True)
+
+
+def ref_moe_routed(x, idx, scores, w1, w2, w3):
+    """fp32 experts for a given routing (idx [T,K], -1 = none), differentiable in everything."""
+    x = x.float()
+    out = torch.zeros_like(x)
+    for e in range(w1.shape[0]):
+        tok, slot = (idx == e).nonzero(as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        xe = x[tok]
+        h = F.silu(xe @ w1[e].float().T) * (xe @ w3[e].float().T)
+        out = out.index_add(0, tok, (h @ w2[e].float().T) * scores[tok, slot, None])
+    return out
+
+
+def test_deepseek_router_trains_through_provided_routing():
+    gen = fresh_gen()
+    T, d, n, E, K = 384, 256, 128, 32, 4
+    x, wr, w1, w2, w3, dout = draw(T, d, n, E, K, gen)
+    bias = torch.randn(E, generator=gen, device="cuda") * 0.01
+    grads = {}
+    for impl in ("smoe", "ref"):
+        xs = x.clone().requires_grad_(True)
+        wrs = wr.float().clone().requires_grad_(True)
+        w1s, w2s, w3s = (w.clone().float().requires_grad_(True) for w in (w1, w2, w3))
+        idx, sc = deepseek_route(xs, wrs, bias, K, n_group=8, topk_group=4, scale=2.5)
+        if impl == "smoe":
+            w1i = torch.stack((w1s.bfloat16(), w3s.bfloat16()), dim=2).reshape(E, 2 * n, d)
+            out = smoe_torch.moe_routed(xs, w1i, w2s.bfloat16(), idx, sc)
+        else:
+            out = ref_moe_routed(xs, idx, sc, w1s, w2s, w3s)
+        out.float().backward(dout.float())
+        grads[impl] = (out.detach(), xs.grad, wrs.grad, w1s.grad, w2s.grad, w3s.grad)
+    names = ("out", "dx", "dw_router", "dw1", "dw2", "dw3")
+    for name, a, b in zip(names, grads["smoe"], grads["ref"]):
+        assert rel_l2(a, b) < TOL, f"{name}: {rel_l2(a, b):.3e}"
+
+
+def test_provided_routing_empty_slots_and_bad_ids():
+    gen = fresh_gen()
+    T, d, n, E, K = 200, 128, 64, 8, 3
+    x, wr, w1, w2, w3, dout = draw(T, d, n, E, K, gen)
+    w1i = torch.stack((w1, w3), dim=2).reshape(E, 2 * n, d)
+    idx = torch.stack([torch.randperm(E, generator=gen, device="cuda")[:K] for _ in range(T)])
+    idx[::3, 1] = -1                      # some tokens use fewer experts
+    idx[5] = -1                           # one token uses none: its output is 0
+    sc = torch.rand(T, K, generator=gen, device="cuda").requires_grad_(True)
+    out = smoe_torch.moe_routed(x, w1i, w2, idx, sc)
+    ref = ref_moe_routed(x, idx, sc, w1, w2, w3)
+    assert rel_l2(out, ref) < TOL
+    assert out[5].float().abs().max().item() == 0.0
+    (g,) = torch.autograd.grad(out.float(), sc, dout.float())
+    (gr,) = torch.autograd.grad(ref, sc, dout.float())
+    assert rel_l2(g, gr) < TOL
+    assert (g[idx < 0] == 0).all(), "empty slots get zero score gradient"
+    bad = idx.clone()
+    bad[7, 0] = E
+    with pytest.raises(ValueError, match="expert ids must be in"):
+        smoe_torch.moe_routed(x, w1i, w2, bad, sc)
+    dup = idx.clone()
+    dup[9] = torch.tensor([2, 2, -1], device="cuda")
+    with pytest.raises(ValueError, match="lists an expert twice"):
+        smoe_torch.moe_routed(x, w1i, w2, dup, sc)
+
+
+_M64 = (1 << 64) - 1
+
+
+def _splitmix64(z):
+    z = (z + 0x9E3779B97F4A7C15) & _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return z ^ (z >> 31)
+
+
+def ref_token_rounding(x, wr, w1, w2, w3, K, tile, rounding, seed, min_gap=1e-6):
+    """Pure-torch fp32 twin of the token-rounding layer (the spec of ref::token_rounding_ref), or
+    None when a kept/not-kept boundary is a near-tie that fp32 rounding could flip."""
+    x = x.float()
+    logits = x @ wr.float().T
+    T, E = logits.shape
+    S = logits.softmax(-1)
+    vals, idx = logits.topk(K, dim=-1)
+    topk_s = vals.softmax(-1)
+    chosen = torch.zeros(T, E, dtype=torch.bool, device=x.device).scatter_(1, idx, True)
+    Sp = (S - 1).detach().scatter(1, idx, topk_s.detach())
+    kept = torch.zeros_like(chosen)
+    for e in range(E):
+        f = int(chosen[:, e].sum())
+        rem, lo = f % tile, f - f % tile
+        up = {"nr": 2 * rem > tile, "up": rem > 0, "down": False,
+              "sr": rem > 0 and (_splitmix64(seed ^ _splitmix64(e)) >> 11) * 2.0 ** -53 < rem / tile}[rounding]
+        keep = min(lo + tile if up else lo, T)
+        v, order = Sp[:, e].sort(descending=True, stable=True)
+        if 0 < keep < T and (v[keep - 1] - v[keep]).item() < min_gap:
+            return None
+        kept[order[:keep], e] = True
+    W = torch.where(chosen, torch.zeros_like(S).scatter(1, idx, topk_s), S) * kept
+    out = torch.zeros_like(x)
+    for e in range(E):
+        tok = kept[:, e].nonzero()[:, 0]
+        if tok.numel() == 0:
+            continue
+        xe = x[tok]
+        h = F.silu(xe @ w1[e].float().T) * (xe @ w3[e].float().T)
+        out = out.index_add(0, tok, (h @ w2[e].float().T) * W[tok, e, None])
+    return out, kept
+
+
+@pytest.mark.parametrize("rounding", ["nr", "up", "down", "sr"])
+def test_token_rounding_matches_fp32_torch_twin(rounding):
+    gen = fresh_gen()
+    T, d, n, E, K = 1000, 128, 128, 16, 2   # ~125 rows per expert against the 128 tile
+    tile = smoe_torch._C.token_rounding_tile()
+    for _ in range(20):
+        x, wr, w1, w2, w3, dout = draw(T, d, n, E, K, gen)
+        leaves = [t.clone().float().requires_grad_(True) for t in (x, wr, w1, w2, w3)]
+        r = ref_token_rounding(*leaves, K, tile, rounding, seed=3)
+        if r is not None:
+            break
+    else:
+        pytest.fail("could not draw inputs without near-ties at a rounding boundary")
+    ref, kept = r
+    ref.backward(dout.float())
+    counts = kept.sum(0)
+    assert bool(((counts % tile == 0) | (counts == T)).all()), "twin: rounded counts must sit on the tile"
+    w1i = torch.stack((w1, w3), dim=2).reshape(E, 2 * n, d)
+    xs, wrs, w1s, w2s = (t.clone().requires_grad_(True) for t in (x, wr, w1i, w2))
+    out = smoe_torch.moe_token_rounding(xs, wrs, w1s, w2s, K, rounding, seed=3)
+    out.float().backward(dout.float())
+    g1 = w1s.grad.view(E, n, 2, d)
+    pairs = [("out", out, ref), ("dx", xs.grad, leaves[0].grad), ("dw_router", wrs.grad, leaves[1].grad),
+             ("dw1", g1[:, :, 0], leaves[2].grad), ("dw3", g1[:, :, 1], leaves[4].grad), ("dw2", w2s.grad, leaves[3].grad)]
+    for name, a, b in pairs:
+        assert rel_l2(a, b) < TOL, f"{name}: {rel_l2(a, b):.3e}"
+
+
+def test_module_router_variants_match_torch_twin():
+    gen = fresh_gen()
+    T, d, n, E, K = 256, 128, 64, 16, 4
+    x, wr, w1, w2, w3, dout = draw(T, d, n, E, K, gen)
+    variants = [dict(score_func="sigmoid", num_expert_groups=4, num_limited_groups=2, route_scale=2.5,
+                     load_balance_coeff=1e-3),
+                dict(score_func="softmax", route_norm=False),          # OLMoE: no renormalisation
+                dict(score_func="softmax", bf16_logits=True)]          # top-K of bf16 logits
+    for kw in variants:
+        m = smoe_torch.MoE(d, n, E, K, **kw).cuda().to(torch.bfloat16)
+        m.load_state_dict({"router.gate.weight": wr, "experts.w1": w1, "experts.w2": w2, "experts.w3": w3,
+                           **({"expert_bias": torch.zeros(E, device="cuda")} if "load_balance_coeff" in kw else {})})
+        xs = x.clone().requires_grad_(True)
+        out = m(xs)
+        out.float().backward(dout.float())
+        # Twin: the module's own torch router at fp32 weights (same decisions), fp32 experts.
+        xr = x.clone().float().requires_grad_(True)
+        idx, sc, _ = m.router(x, m.expert_bias, kw.get("bf16_logits", False))
+        ref = ref_moe_routed(xr, idx.long(), sc.detach(), w1, w2, w3)
+        ref.backward(dout.float())
+        assert rel_l2(out, ref) < TOL, kw
+        assert m.experts.w2.grad is not None and m.router.gate.weight.grad is not None
+        if "load_balance_coeff" in kw:
+            assert m.tokens_per_expert.sum().item() == T * K
+            m.update_expert_bias()
+            assert m.expert_bias.abs().sum().item() > 0 and m.tokens_per_expert.sum().item() == 0

@@ -39,25 +39,29 @@ void throw_if(const smoe::Status& s) {
   TORCH_CHECK(s.ok(), "smoe: ", s.message, " [", smoe::status_code_name(s.code), "]");
 }
 
+// w_router undefined: caller-provided routing (E from w1).
 smoe::MoEShape layer_shape(const at::Tensor& x, const at::Tensor& w_router, const at::Tensor& w1,
                            const at::Tensor& w2, int64_t top_k) {
   TORCH_CHECK(top_k >= 1 && top_k <= smoe::kMaxTopK, "smoe: top_k = ", num(top_k), " must be in [1, ",
               num(smoe::kMaxTopK), "]");
   check_tensor(x, "x", at::kBFloat16, 2);
-  check_tensor(w_router, "w_router", at::kBFloat16, 2);
   check_tensor(w1, "w1", at::kBFloat16, 3);
   check_tensor(w2, "w2", at::kBFloat16, 3);
-  const int64_t T = x.size(0), d = x.size(1), E = w_router.size(0);
-  TORCH_CHECK(w_router.size(1) == d, "smoe: w_router must be [E, d] with d = x.size(1) = ", num(d), " (got ",
-              dims(w_router.sizes()), ")");
+  const int64_t T = x.size(0), d = x.size(1), E = w1.size(0);
+  if (w_router.defined()) {
+    check_tensor(w_router, "w_router", at::kBFloat16, 2);
+    TORCH_CHECK(w_router.size(0) == E && w_router.size(1) == d, "smoe: w_router must be [E, d] = ", dims({E, d}),
+                " (E = w1.size(0), d = x.size(1); got ", dims(w_router.sizes()), ")");
+    TORCH_CHECK(x.device() == w_router.device(), "smoe: x and w_router must be on the same device");
+  }
   TORCH_CHECK(w1.size(0) == E && w1.size(2) == d && w1.size(1) % 2 == 0,
               "smoe: w1 must be [E, 2n, d] (gate/up interleaved) with E = ", num(E), ", d = ", num(d), " (got ",
               dims(w1.sizes()), ")");
   const int64_t n = w1.size(1) / 2;
   TORCH_CHECK(w2.size(0) == E && w2.size(1) == d && w2.size(2) == n, "smoe: w2 must be [E, d, n] = ",
               dims({E, d, n}), " (got ", dims(w2.sizes()), ")");
-  TORCH_CHECK(x.device() == w_router.device() && x.device() == w1.device() && x.device() == w2.device(),
-              "smoe: x, w_router, w1 and w2 must be on the same device");
+  TORCH_CHECK(x.device() == w1.device() && x.device() == w2.device(),
+              "smoe: x, w1 and w2 must be on the same device");
   smoe::MoEShape s{T, static_cast<int>(d), static_cast<int>(n), static_cast<int>(E), static_cast<int>(top_k)};
   throw_if(smoe::moe_can_implement(s));
   return s;
@@ -82,60 +86,137 @@ smoe::DeviceStatus* device_status(const at::Tensor& like) {
   return reinterpret_cast<smoe::DeviceStatus*>(per_device[dev].data_ptr());
 }
 
-std::tuple<at::Tensor, at::Tensor> moe_forward(const at::Tensor& x, const at::Tensor& w_router,
-                                               const at::Tensor& w1, const at::Tensor& w2, int64_t top_k) {
-  const smoe::MoEShape s = layer_shape(x, w_router, w1, w2, top_k);
+const smoe::bf16* bf16_ptr(const at::Tensor& t) {
+  return t.defined() ? reinterpret_cast<const smoe::bf16*>(t.data_ptr()) : nullptr;
+}
+
+// rounding: -1 for plain top-K softmax, else a smoe::TokenRoundingMode (0 NR, 1 UP, 2 DOWN, 3 SR).
+smoe::MoEShape with_rounding(smoe::MoEShape s, int64_t rounding) {
+  TORCH_CHECK(rounding >= -1 && rounding <= 3, "smoe: rounding = ", num(rounding),
+              " must be -1 (top-K) or 0..3 (token rounding NR, UP, DOWN, SR)");
+  if (rounding >= 0) {
+    s.router = smoe::MoERouter::kTokenRounding;
+    s.rounding = static_cast<smoe::TokenRoundingMode>(rounding);
+  }
+  throw_if(smoe::moe_can_implement(s));
+  return s;
+}
+
+std::tuple<at::Tensor, at::Tensor> forward_impl(const smoe::MoEShape& s, const at::Tensor& x, const at::Tensor& w_router,
+                                                const at::Tensor& w1, const at::Tensor& w2, const at::Tensor& expert,
+                                                const at::Tensor& scores, uint64_t seed) {
   const c10::cuda::CUDAGuard guard(x.device());
   at::Tensor out = at::empty_like(x);
   at::Tensor saved = bytes(static_cast<int64_t>(smoe::moe_saved_state_size(s)), x);
   at::Tensor ws = bytes(static_cast<int64_t>(smoe::moe_forward_workspace_size(s)), x);
   smoe::MoEForwardArgs a;
   a.shape = s;
-  a.x = reinterpret_cast<const smoe::bf16*>(x.data_ptr());
-  a.weights = {reinterpret_cast<const smoe::bf16*>(w_router.data_ptr()),
-               reinterpret_cast<const smoe::bf16*>(w1.data_ptr()),
-               reinterpret_cast<const smoe::bf16*>(w2.data_ptr())};
+  a.x = bf16_ptr(x);
+  a.weights = {bf16_ptr(w_router), bf16_ptr(w1), bf16_ptr(w2)};
   a.out = reinterpret_cast<smoe::bf16*>(out.data_ptr());
   a.saved = saved.data_ptr();
   a.saved_bytes = static_cast<size_t>(saved.numel());
   a.workspace = ws.data_ptr();
   a.workspace_bytes = static_cast<size_t>(ws.numel());
   a.status = device_status(x);
+  if (expert.defined()) {
+    a.routed_expert = expert.data_ptr<int32_t>();
+    a.routed_scores = scores.data_ptr<float>();
+  }
+  a.rounding_seed = seed;
   throw_if(smoe::moe_forward(a, at::cuda::getCurrentCUDAStream()));
   return {out, saved};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_backward(
-    const at::Tensor& dout, const at::Tensor& x, const at::Tensor& w_router, const at::Tensor& w1,
-    const at::Tensor& w2, const at::Tensor& saved, int64_t top_k) {
+// Caller-provided routing: expert [T, K] int32 (-1 = empty slot), scores [T, K] float32.
+std::tuple<at::Tensor, at::Tensor> moe_forward_routed(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w2,
+                                                      const at::Tensor& expert, const at::Tensor& scores) {
+  TORCH_CHECK(expert.dim() == 2, "smoe: expert must be [T, K] int32 (got shape ", dims(expert.sizes()), ")");
+  smoe::MoEShape s = layer_shape(x, at::Tensor(), w1, w2, expert.size(1));
+  check_tensor(expert, "expert", at::kInt, 2);
+  check_tensor(scores, "scores", at::kFloat, 2);
+  TORCH_CHECK(expert.size(0) == s.T && scores.sizes() == expert.sizes(), "smoe: expert and scores must both be [T, K] = ",
+              dims({s.T, s.K}), " with T = x.size(0) (got ", dims(expert.sizes()), " and ", dims(scores.sizes()), ")");
+  TORCH_CHECK(expert.device() == x.device() && scores.device() == x.device(),
+              "smoe: expert and scores must be on x's device");
+  s.router = smoe::MoERouter::kProvided;
+  throw_if(smoe::moe_can_implement(s));
+  return forward_impl(s, x, at::Tensor(), w1, w2, expert, scores, 0);
+}
+
+std::tuple<at::Tensor, at::Tensor> moe_forward_tr(const at::Tensor& x, const at::Tensor& w_router, const at::Tensor& w1,
+                                                  const at::Tensor& w2, int64_t top_k, int64_t rounding, int64_t seed) {
+  TORCH_CHECK(rounding >= 0, "smoe: moe_forward_tr needs rounding in 0..3 (got ", num(rounding), ")");
+  const smoe::MoEShape s = with_rounding(layer_shape(x, w_router, w1, w2, top_k), rounding);
+  return forward_impl(s, x, w_router, w1, w2, at::Tensor(), at::Tensor(), static_cast<uint64_t>(seed));
+}
+
+std::tuple<at::Tensor, at::Tensor> moe_forward(const at::Tensor& x, const at::Tensor& w_router,
+                                               const at::Tensor& w1, const at::Tensor& w2, int64_t top_k) {
   const smoe::MoEShape s = layer_shape(x, w_router, w1, w2, top_k);
+  return forward_impl(s, x, w_router, w1, w2, at::Tensor(), at::Tensor(), 0);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_impl(
+    const smoe::MoEShape& s, const at::Tensor& dout, const at::Tensor& x, const at::Tensor& w_router,
+    const at::Tensor& w1, const at::Tensor& w2, const at::Tensor& saved) {
   check_tensor(dout, "dout", at::kBFloat16, 2);
   TORCH_CHECK(dout.sizes() == x.sizes(), "smoe: dout must have the shape of x ", dims(x.sizes()), " (got ",
               dims(dout.sizes()), ")");
-  TORCH_CHECK(saved.is_cuda() && saved.scalar_type() == at::kByte &&
+  TORCH_CHECK(dout.device() == x.device(), "smoe: dout must be on x's device");
+  TORCH_CHECK(saved.is_cuda() && saved.device() == x.device() && saved.scalar_type() == at::kByte &&
                   saved.numel() >= static_cast<int64_t>(smoe::moe_saved_state_size(s)),
-              "smoe: saved must be the uint8 CUDA tensor returned by moe_forward for these shapes");
+              "smoe: saved must be the uint8 CUDA tensor returned by the forward op for these shapes");
   const c10::cuda::CUDAGuard guard(x.device());
-  at::Tensor dx = at::empty_like(x), dwr = at::empty_like(w_router), dw1 = at::empty_like(w1),
-             dw2 = at::empty_like(w2);
+  const bool provided = s.router == smoe::MoERouter::kProvided;
+  at::Tensor dx = at::empty_like(x), dw1 = at::empty_like(w1), dw2 = at::empty_like(w2);
+  at::Tensor dwr = provided ? at::Tensor() : at::empty_like(w_router);
+  at::Tensor dscores = provided ? at::empty({s.T, s.K}, x.options().dtype(at::kFloat)) : at::Tensor();
   at::Tensor ws = bytes(static_cast<int64_t>(smoe::moe_backward_workspace_size(s)), x);
   smoe::MoEBackwardArgs a;
   a.shape = s;
-  a.x = reinterpret_cast<const smoe::bf16*>(x.data_ptr());
-  a.weights = {reinterpret_cast<const smoe::bf16*>(w_router.data_ptr()),
-               reinterpret_cast<const smoe::bf16*>(w1.data_ptr()),
-               reinterpret_cast<const smoe::bf16*>(w2.data_ptr())};
-  a.dout = reinterpret_cast<const smoe::bf16*>(dout.data_ptr());
+  a.x = bf16_ptr(x);
+  a.weights = {bf16_ptr(w_router), bf16_ptr(w1), bf16_ptr(w2)};
+  a.dout = bf16_ptr(dout);
   a.saved = saved.data_ptr();
   a.saved_bytes = static_cast<size_t>(saved.numel());
   a.dx = reinterpret_cast<smoe::bf16*>(dx.data_ptr());
-  a.dw_router = reinterpret_cast<smoe::bf16*>(dwr.data_ptr());
+  a.dw_router = provided ? nullptr : reinterpret_cast<smoe::bf16*>(dwr.data_ptr());
+  a.dscores = provided ? dscores.data_ptr<float>() : nullptr;
   a.dw1 = reinterpret_cast<smoe::bf16*>(dw1.data_ptr());
   a.dw2 = reinterpret_cast<smoe::bf16*>(dw2.data_ptr());
   a.workspace = ws.data_ptr();
   a.workspace_bytes = static_cast<size_t>(ws.numel());
   throw_if(smoe::moe_backward(a, at::cuda::getCurrentCUDAStream()));
-  return {dx, dwr, dw1, dw2};
+  return {dx, dwr, dw1, dw2, dscores};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_backward_routed(
+    const at::Tensor& dout, const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w2, const at::Tensor& saved,
+    int64_t top_k) {
+  smoe::MoEShape s = layer_shape(x, at::Tensor(), w1, w2, top_k);
+  s.router = smoe::MoERouter::kProvided;
+  throw_if(smoe::moe_can_implement(s));
+  auto r = backward_impl(s, dout, x, at::Tensor(), w1, w2, saved);
+  return {std::get<0>(r), std::get<2>(r), std::get<3>(r), std::get<4>(r)};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_backward_tr(
+    const at::Tensor& dout, const at::Tensor& x, const at::Tensor& w_router, const at::Tensor& w1,
+    const at::Tensor& w2, const at::Tensor& saved, int64_t top_k, int64_t rounding) {
+  TORCH_CHECK(rounding >= 0, "smoe: moe_backward_tr needs rounding in 0..3 (got ", num(rounding), ")");
+  const smoe::MoEShape s = with_rounding(layer_shape(x, w_router, w1, w2, top_k), rounding);
+  auto r = backward_impl(s, dout, x, w_router, w1, w2, saved);
+  return {std::get<0>(r), std::get<1>(r), std::get<2>(r), std::get<3>(r)};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_backward(
+    const at::Tensor& dout, const at::Tensor& x, const at::Tensor& w_router, const at::Tensor& w1,
+    const at::Tensor& w2, const at::Tensor& saved, int64_t top_k) {
+  TORCH_CHECK(w_router.defined(), "smoe: w_router is required");
+  const smoe::MoEShape s = layer_shape(x, w_router, w1, w2, top_k);
+  auto r = backward_impl(s, dout, x, w_router, w1, w2, saved);
+  return {std::get<0>(r), std::get<1>(r), std::get<2>(r), std::get<3>(r)};
 }
 
 // Top-K softmax routing: (scores [T,K] f32, topk_expert [T,K] i32, expert_frequency [E],
@@ -169,10 +250,15 @@ at::Tensor nonfinite_status(const at::Tensor& like) {
   return at::from_blob(s, {static_cast<int64_t>(sizeof(smoe::DeviceStatus))}, like.options().dtype(at::kByte));
 }
 
-int64_t saved_state_size(int64_t T, int64_t d, int64_t n, int64_t E, int64_t K) {
-  return static_cast<int64_t>(smoe::moe_saved_state_size(
-      smoe::MoEShape{T, static_cast<int>(d), static_cast<int>(n), static_cast<int>(E), static_cast<int>(K)}));
+// router: 0 top-K softmax, 1 token rounding (with `rounding` 0..3), 2 caller-provided.
+int64_t saved_state_size(int64_t T, int64_t d, int64_t n, int64_t E, int64_t K, int64_t router, int64_t rounding) {
+  smoe::MoEShape s{T, static_cast<int>(d), static_cast<int>(n), static_cast<int>(E), static_cast<int>(K)};
+  s.router = static_cast<smoe::MoERouter>(router);
+  s.rounding = static_cast<smoe::TokenRoundingMode>(rounding);
+  return static_cast<int64_t>(smoe::moe_saved_state_size(s));
 }
+
+int64_t token_rounding_tile() { return smoe::moe_token_rounding_tile(smoe::MoEShape{}); }
 
 }  // namespace
 
@@ -181,15 +267,29 @@ TORCH_LIBRARY(smoe, m) {
   m.def("moe_backward(Tensor dout, Tensor x, Tensor w_router, Tensor w1, Tensor w2, Tensor saved, "
         "int top_k) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("topk_routing(Tensor logits, int top_k) -> Tensor[]");
+  m.def("moe_forward_routed(Tensor x, Tensor w1, Tensor w2, Tensor expert, Tensor scores) -> (Tensor, Tensor)");
+  m.def("moe_backward_routed(Tensor dout, Tensor x, Tensor w1, Tensor w2, Tensor saved, int top_k) "
+        "-> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("moe_forward_tr(Tensor x, Tensor w_router, Tensor w1, Tensor w2, int top_k, int rounding, int seed) "
+        "-> (Tensor, Tensor)");
+  m.def("moe_backward_tr(Tensor dout, Tensor x, Tensor w_router, Tensor w1, Tensor w2, Tensor saved, int top_k, "
+        "int rounding) -> (Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(smoe, CUDA, m) {
   m.impl("moe_forward", &moe_forward);
   m.impl("moe_backward", &moe_backward);
   m.impl("topk_routing", &topk_routing);
+  m.impl("moe_forward_routed", &moe_forward_routed);
+  m.impl("moe_backward_routed", &moe_backward_routed);
+  m.impl("moe_forward_tr", &moe_forward_tr);
+  m.impl("moe_backward_tr", &moe_backward_tr);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("saved_state_size", &saved_state_size, "bytes moe_forward keeps for backward");
+  m.def("saved_state_size", &saved_state_size, "bytes the forward keeps for backward",
+        pybind11::arg("T"), pybind11::arg("d"), pybind11::arg("n"), pybind11::arg("E"), pybind11::arg("K"),
+        pybind11::arg("router") = 0, pybind11::arg("rounding") = 0);
+  m.def("token_rounding_tile", &token_rounding_tile, "the M tile token rounding rounds to");
   m.def("nonfinite_status", &nonfinite_status, "the sticky device status of like's device (uint8[16])");
 }
