@@ -20,12 +20,10 @@ weights is all autograd keeps for backward.
 import torch
 
 from . import _C  # noqa: F401  (registers torch.ops.smoe.*)
-from .moe import MoE, GroupedExperts, TokenChoiceTopKRouter, moe_forward_interleaved  # noqa: F401
+from .moe import (MoE, GroupedExperts, SharedExperts, TokenChoiceTopKRouter, ROUNDING_MODES,  # noqa: F401
+                  check_routing, moe_forward_interleaved, moe_routed, moe_token_rounding)
 
 ops = torch.ops.smoe
-
-
-ROUNDING_MODES = {"nr": 0, "up": 1, "down": 2, "sr": 3}
 
 
 def _saved_fake(x, E, n, K, router=0, rounding=0):
@@ -122,41 +120,6 @@ def _backward_routed(ctx, dout, _dsaved):
 torch.library.register_autograd("smoe::moe_forward_routed", _backward_routed, setup_context=_setup_context_routed)
 
 
-def check_routing(expert, num_experts):
-    """Host-side check of caller-provided routing ids (one device sync): ids in [-1, E) and no expert
-    twice in a token. The kernels also check on the device (without a sync): a bad slot is dropped
-    and flagged in nonfinite_status(); this raises instead, naming the first bad token."""
-    bad = (expert < -1) | (expert >= num_experts)
-    if bool(bad.any()):
-        t = int(bad.any(dim=1).nonzero()[0, 0])
-        raise ValueError(f"smoe: expert ids must be in [-1, {num_experts}); token {t} has {expert[t].tolist()}")
-    srt = expert.sort(dim=1).values
-    dup = (srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)
-    if bool(dup.any()):
-        t = int(dup.any(dim=1).nonzero()[0, 0])
-        raise ValueError(f"smoe: token {t} lists an expert twice: {expert[t].tolist()}")
-
-
-def moe_routed(x, w1_interleaved, w2, expert, scores, validate=True):
-    """out[t] = sum over t's slots k with expert[t,k] >= 0 of scores[t,k] * SwiGLU expert(x[t]).
-
-    Any router written in torch trains through this: gradients flow to x (expert path), the
-    weights and `scores` (so to the router through the caller's own autograd graph). expert
-    [T, K] int (-1 = empty slot), scores [T, K] float. validate=True checks the ids on the host
-    (one sync); with validate=False bad ids are dropped on the device and flagged."""
-    expert = expert.to(torch.int32).contiguous()
-    if validate:
-        check_routing(expert, w1_interleaved.shape[0])
-    out, _saved = ops.moe_forward_routed(x, w1_interleaved, w2, expert, scores.float().contiguous())
-    return out
-
-
-def moe_token_rounding(x, w_router, w1_interleaved, w2, top_k, rounding="nr", seed=0):
-    """The top-K softmax layer with SonicMoE token rounding of every expert's rows to the GEMM tile."""
-    out, _saved = ops.moe_forward_tr(x, w_router, w1_interleaved, w2, top_k, ROUNDING_MODES[rounding], seed)
-    return out
-
-
 def nonfinite_status(device=None):
     """(flags, nonfinite_tokens, first_token) of the sticky device status. Reading it syncs."""
     like = torch.empty(0, device=device or torch.device("cuda", torch.cuda.current_device()))
@@ -165,3 +128,25 @@ def nonfinite_status(device=None):
     count = int(raw[4:8].view(torch.int32).item()) & 0xFFFFFFFF
     first = int(raw[8:16].view(torch.int64).item())
     return flags, count, first
+
+
+_FLAG_NAMES = {1: "non-finite router logits", 2: "expert id outside [-1, E)", 4: "expert listed twice in a token",
+               8: "non-finite routing scores"}
+
+
+def reset_nonfinite_status(device=None):
+    """Clear the sticky device status (flags, count, first token)."""
+    _C.reset_nonfinite_status(torch.empty(0, device=device or torch.device("cuda", torch.cuda.current_device())))
+
+
+def raise_if_nonfinite(device=None, reset=True):
+    """Raise FloatingPointError if any forward since the last reset saw NaN/Inf router logits (or, with
+    provided routing, a bad id or score), naming the first token. One device sync: call it once per
+    step, or every N steps. reset=True clears the record after reading it."""
+    flags, count, first = nonfinite_status(device)
+    if reset:
+        reset_nonfinite_status(device)
+    if flags:
+        what = ", ".join(v for k, v in _FLAG_NAMES.items() if flags & k)
+        where = f"; {count} token(s) with non-finite logits, the first is token {first}" if flags & 1 else ""
+        raise FloatingPointError(f"smoe: {what}{where}")

@@ -11,10 +11,50 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import _C  # noqa: F401  (registers torch.ops.smoe.*; imported before this module)
+
+ops = torch.ops.smoe
+ROUNDING_MODES = {"nr": 0, "up": 1, "down": 2, "sr": 3}
+
 
 def moe_forward_interleaved(x, w_router, w1_interleaved, w2, top_k):
     """out = MoE(x) with the library's layouts; differentiable in x and all weights."""
     out, _saved = torch.ops.smoe.moe_forward(x, w_router, w1_interleaved, w2, top_k)
+    return out
+
+
+def check_routing(expert, num_experts):
+    """Host-side check of caller-provided routing ids (one device sync): ids in [-1, E) and no expert
+    twice in a token. The kernels also check on the device (without a sync): a bad slot is dropped
+    and flagged in nonfinite_status(); this raises instead, naming the first bad token."""
+    bad = (expert < -1) | (expert >= num_experts)
+    if bool(bad.any()):
+        t = int(bad.any(dim=1).nonzero()[0, 0])
+        raise ValueError(f"smoe: expert ids must be in [-1, {num_experts}); token {t} has {expert[t].tolist()}")
+    srt = expert.sort(dim=1).values
+    dup = (srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)
+    if bool(dup.any()):
+        t = int(dup.any(dim=1).nonzero()[0, 0])
+        raise ValueError(f"smoe: token {t} lists an expert twice: {expert[t].tolist()}")
+
+
+def moe_routed(x, w1_interleaved, w2, expert, scores, validate=True):
+    """out[t] = sum over t's slots k with expert[t,k] >= 0 of scores[t,k] * SwiGLU expert(x[t]).
+
+    Any router written in torch trains through this: gradients flow to x (expert path), the
+    weights and `scores` (so to the router through the caller's own autograd graph). expert
+    [T, K] int (-1 = empty slot), scores [T, K] float. validate=True checks the ids on the host
+    (one sync); with validate=False bad ids are dropped on the device and flagged."""
+    expert = expert.to(torch.int32).contiguous()
+    if validate:
+        check_routing(expert, w1_interleaved.shape[0])
+    out, _saved = ops.moe_forward_routed(x, w1_interleaved, w2, expert, scores.float().contiguous())
+    return out
+
+
+def moe_token_rounding(x, w_router, w1_interleaved, w2, top_k, rounding="nr", seed=0):
+    """The top-K softmax layer with SonicMoE token rounding of every expert's rows to the GEMM tile."""
+    out, _saved = ops.moe_forward_tr(x, w_router, w1_interleaved, w2, top_k, ROUNDING_MODES[rounding], seed)
     return out
 
 
@@ -81,6 +121,32 @@ class GroupedExperts(nn.Module):
         return torch.stack((self.w1.to(dtype), self.w3.to(dtype)), dim=2).reshape(E, 2 * n, d)
 
 
+class SharedExperts(nn.Module):
+    """Always-on SwiGLU experts (DeepSeek / Qwen-MoE shared experts), torchtitan's FeedForward names:
+    w1 (gate) [h, d], w2 [d, h], w3 (up) [h, d] as nn.Linear weights, h = hidden_dim * count. Runs on
+    the same kernels as a one-expert MoE every token is routed to with score 1."""
+
+    def __init__(self, dim, hidden_dim):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def init_weights(self, std=0.02):
+        for lin in (self.w1, self.w2, self.w3):
+            nn.init.trunc_normal_(lin.weight, mean=0.0, std=std)
+
+    def forward(self, x2):
+        h, d = self.w1.weight.shape
+        w1 = torch.stack((self.w1.weight.to(x2.dtype), self.w3.weight.to(x2.dtype)), dim=1).reshape(1, 2 * h, d)
+        w2 = self.w2.weight.to(x2.dtype).unsqueeze(0)
+        T = x2.shape[0]
+        expert = torch.zeros(T, 1, dtype=torch.int32, device=x2.device)
+        ones = torch.ones(T, 1, dtype=torch.float32, device=x2.device)
+        out, _saved = ops.moe_forward_routed(x2, w1, w2, expert, ones)
+        return out
+
+
 class MoE(nn.Module):
     """Token-choice top-K MoE with SwiGLU experts on the smoe kernels (bf16 compute).
 
@@ -95,6 +161,8 @@ class MoE(nn.Module):
             `tokens_per_expert`; call update_expert_bias() after the optimizer step (DeepSeek-V3's
             auxiliary-loss-free balancing).
         token_rounding: None or "nr" | "up" | "down" | "sr" (SonicMoE TR, fused router only).
+        num_shared_experts: > 0 adds `shared_experts` (SharedExperts, hidden hidden_dim * count),
+            applied to every token and added to the routed output.
         bf16_logits: take top-K of bf16 logits (torchtitan / SonicMoE under autocast); routes in torch.
         aux_loss_coef: if > 0, `self.aux_loss` holds coef * E * sum_e f_e P_e after each forward
             (f_e: fraction of routed rows at expert e, P_e: mean router probability), the
@@ -105,7 +173,8 @@ class MoE(nn.Module):
 
     def __init__(self, dim, hidden_dim, num_experts, top_k, aux_loss_coef=0.0, score_func="softmax",
                  route_norm=True, route_scale=1.0, num_expert_groups=None, num_limited_groups=None,
-                 load_balance_coeff=None, token_rounding=None, bf16_logits=False, rounding_seed=0):
+                 load_balance_coeff=None, token_rounding=None, bf16_logits=False, rounding_seed=0,
+                 num_shared_experts=0):
         super().__init__()
         self.dim, self.hidden_dim, self.num_experts, self.top_k = dim, hidden_dim, num_experts, top_k
         self.router = TokenChoiceTopKRouter(dim, num_experts, top_k, score_func, route_norm, route_scale,
@@ -124,11 +193,14 @@ class MoE(nn.Module):
             self.register_buffer("tokens_per_expert", torch.zeros(num_experts, dtype=torch.float32), persistent=False)
         else:
             self.expert_bias = None
+        self.shared_experts = SharedExperts(dim, hidden_dim * num_shared_experts) if num_shared_experts > 0 else None
         self.init_weights()
 
     def init_weights(self, std=0.02):
         nn.init.trunc_normal_(self.router.gate.weight, mean=0.0, std=std)
         self.experts.init_weights(std)
+        if self.shared_experts is not None:
+            self.shared_experts.init_weights(std)
 
     @torch.no_grad()
     def update_expert_bias(self):
@@ -141,7 +213,6 @@ class MoE(nn.Module):
         tpe.zero_()
 
     def forward(self, x):
-        from . import moe_routed, moe_token_rounding
         shape = x.shape
         x2 = x.reshape(-1, self.dim).to(torch.bfloat16).contiguous()
         w1 = self.experts.interleaved_w1(torch.bfloat16)
@@ -155,19 +226,25 @@ class MoE(nn.Module):
                 if self.expert_bias is not None:
                     self.tokens_per_expert.add_(counts)
                 if self.aux_loss_coef > 0:
-                    f = counts / idx.numel()
+                    f = counts / max(idx.numel(), 1)
                     self.aux_loss = self.aux_loss_coef * self.num_experts * (f * probs.mean(dim=0)).sum()
-            return out.reshape(shape).to(x.dtype)
-        wr = self.router.gate.weight.to(torch.bfloat16)
-        if self.token_rounding is not None:
-            out = moe_token_rounding(x2, wr, w1, w2, self.top_k, self.token_rounding, self.rounding_seed)
         else:
-            out = moe_forward_interleaved(x2, wr, w1, w2, self.top_k)
-        if self.aux_loss_coef > 0:
-            logits = F.linear(x2, wr).float()
-            probs = logits.softmax(dim=-1)
-            chosen = logits.topk(self.top_k, dim=-1).indices.reshape(-1)
-            f = torch.zeros(self.num_experts, device=x.device, dtype=torch.float32)
-            f = f.index_add(0, chosen, torch.ones_like(chosen, dtype=torch.float32)) / chosen.numel()
-            self.aux_loss = self.aux_loss_coef * self.num_experts * (f * probs.mean(dim=0)).sum()
+            wr = self.router.gate.weight.to(torch.bfloat16)
+            if self.token_rounding is not None:
+                mode = ROUNDING_MODES[self.token_rounding]
+                out, saved = ops.moe_forward_tr(x2, wr, w1, w2, self.top_k, mode, self.rounding_seed)
+                router, rounding = 1, mode
+            else:
+                out, saved = ops.moe_forward(x2, wr, w1, w2, self.top_k)
+                router, rounding = 0, 0
+            if self.aux_loss_coef > 0:
+                # f from the routing's own counts (no second top-K); P needs the softmax over E.
+                T = x2.shape[0]
+                counts = _C.saved_expert_frequency(saved, T, self.dim, self.hidden_dim, self.num_experts,
+                                                   self.top_k, router, rounding).float()
+                f = counts / max(T * self.top_k, 1)
+                probs = F.linear(x2, wr).float().softmax(dim=-1)
+                self.aux_loss = self.aux_loss_coef * self.num_experts * (f * probs.mean(dim=0)).sum()
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x2)
         return out.reshape(shape).to(x.dtype)

@@ -386,3 +386,65 @@ def test_module_router_variants_match_torch_twin():
             assert m.tokens_per_expert.sum().item() == T * K
             m.update_expert_bias()
             assert m.expert_bias.abs().sum().item() > 0 and m.tokens_per_expert.sum().item() == 0
+
+
+def test_shared_experts_and_aux_loss_from_routing_counts():
+    gen = fresh_gen()
+    T, d, n, E, K = 256, 128, 64, 16, 2
+    x, wr, w1, w2, w3, dout = draw(T, d, n, E, K, gen)
+    m = smoe_torch.MoE(d, n, E, K, aux_loss_coef=0.01, num_shared_experts=2).cuda().to(torch.bfloat16)
+    sd = {"router.gate.weight": wr, "experts.w1": w1, "experts.w2": w2, "experts.w3": w3}
+    hs = 2 * n
+    ws = [(torch.randn(hs, d, generator=gen, device="cuda") / math.sqrt(d)).bfloat16(),
+          (torch.randn(d, hs, generator=gen, device="cuda") / math.sqrt(hs)).bfloat16(),
+          (torch.randn(hs, d, generator=gen, device="cuda") / math.sqrt(d)).bfloat16()]
+    sd.update({"shared_experts.w1.weight": ws[0], "shared_experts.w2.weight": ws[1], "shared_experts.w3.weight": ws[2]})
+    m.load_state_dict(sd)
+    xs = x.clone().requires_grad_(True)
+    out = m(xs)
+    (out.float() * dout.float()).sum().backward()
+    xf = x.float()
+    shared = (F.silu(xf @ ws[0].float().T) * (xf @ ws[2].float().T)) @ ws[1].float().T
+    ref = ref_moe(x, wr, w1, w2, w3, K) + shared
+    assert rel_l2(out, ref) < TOL
+    assert m.shared_experts.w2.weight.grad is not None and m.shared_experts.w2.weight.grad.abs().sum() > 0
+    # The aux loss uses the routing's own counts: equal to recomputing the top-K in torch.
+    logits = xf @ wr.float().T
+    probs = logits.softmax(-1)
+    f = torch.bincount(logits.topk(K, dim=-1).indices.reshape(-1), minlength=E).float() / (T * K)
+    expect = 0.01 * E * (f * probs.mean(0)).sum()
+    assert abs(m.aux_loss.item() - expect.item()) < 1e-3 * expect.item() + 1e-6
+
+
+def test_zero_tokens_through_every_op():
+    d, n, E, K = 128, 64, 8, 2
+    x = torch.empty(0, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    wr = torch.randn(E, d, device="cuda").bfloat16().requires_grad_(True)
+    w1 = torch.randn(E, 2 * n, d, device="cuda").bfloat16().requires_grad_(True)
+    w2 = torch.randn(E, d, n, device="cuda").bfloat16().requires_grad_(True)
+    for name, fn in [("top-K", lambda: smoe_torch.moe_forward_interleaved(x, wr, w1, w2, K)),
+                     ("token rounding", lambda: smoe_torch.moe_token_rounding(x, wr, w1, w2, K, "up")),
+                     ("provided", lambda: smoe_torch.moe_routed(
+                         x, w1, w2, torch.empty(0, K, dtype=torch.int32, device="cuda"),
+                         torch.empty(0, K, device="cuda"), validate=True))]:
+        out = fn()
+        assert out.shape == (0, d), name
+        gw1, gw2 = torch.autograd.grad(out.float().sum(), (w1, w2), allow_unused=True)
+        assert gw1 is not None and gw1.abs().sum().item() == 0, name
+        assert gw2 is not None and gw2.abs().sum().item() == 0, name
+
+
+def test_nonfinite_logits_raise_and_reset():
+    T, d, n, E, K = 64, 128, 64, 8, 2
+    x = torch.randn(T, d, device="cuda").bfloat16()
+    wr = torch.randn(E, d, device="cuda").bfloat16()
+    w1 = torch.randn(E, 2 * n, d, device="cuda").bfloat16() * 0.05
+    w2 = torch.randn(E, d, n, device="cuda").bfloat16() * 0.05
+    smoe_torch.reset_nonfinite_status()
+    smoe_torch.moe_forward_interleaved(x, wr, w1, w2, K)
+    smoe_torch.raise_if_nonfinite()          # clean: no raise
+    x[17, 3] = float("nan")
+    smoe_torch.moe_forward_interleaved(x, wr, w1, w2, K)
+    with pytest.raises(FloatingPointError, match="first is token 17"):
+        smoe_torch.raise_if_nonfinite()
+    smoe_torch.raise_if_nonfinite()          # the record was reset by the raise above

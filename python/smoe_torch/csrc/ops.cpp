@@ -244,6 +244,11 @@ std::vector<at::Tensor> topk_routing(const at::Tensor& logits, int64_t top_k) {
   return {scores, topk, freq, off, sc, rev, ga};
 }
 
+// Clear the sticky status of like's device (enqueued on the current stream).
+void reset_nonfinite_status(const at::Tensor& like) {
+  throw_if(smoe::reset_device_status(device_status(like), at::cuda::getCurrentCUDAStream()));
+}
+
 // The device status as a uint8 tensor view (flags u32, nonfinite_tokens u32, first token i64).
 at::Tensor nonfinite_status(const at::Tensor& like) {
   smoe::DeviceStatus* s = device_status(like);
@@ -256,6 +261,22 @@ int64_t saved_state_size(int64_t T, int64_t d, int64_t n, int64_t E, int64_t K, 
   s.router = static_cast<smoe::MoERouter>(router);
   s.rounding = static_cast<smoe::TokenRoundingMode>(rounding);
   return static_cast<int64_t>(smoe::moe_saved_state_size(s));
+}
+
+// The rows each expert received in a forward (int32 [E]), a view into its saved state: the aux
+// loss and expert-bias updates read the routing's own counts instead of redoing the top-K.
+at::Tensor saved_expert_frequency(const at::Tensor& saved, int64_t T, int64_t d, int64_t n, int64_t E, int64_t K,
+                                  int64_t router, int64_t rounding) {
+  smoe::MoEShape s{T, static_cast<int>(d), static_cast<int>(n), static_cast<int>(E), static_cast<int>(K)};
+  s.router = static_cast<smoe::MoERouter>(router);
+  s.rounding = static_cast<smoe::TokenRoundingMode>(rounding);
+  throw_if(smoe::moe_can_implement(s));
+  TORCH_CHECK(saved.is_cuda() && saved.scalar_type() == at::kByte &&
+                  saved.numel() >= static_cast<int64_t>(smoe::moe_saved_state_size(s)),
+              "smoe: saved must be the uint8 CUDA tensor of a forward with these shapes");
+  const smoe::MoESavedView v = smoe::moe_saved_state_view(s, saved.data_ptr());
+  const int64_t off = reinterpret_cast<char*>(v.expert_frequency) - static_cast<char*>(saved.data_ptr());
+  return saved.narrow(0, off, 4 * E).view(at::kInt);
 }
 
 int64_t token_rounding_tile() { return smoe::moe_token_rounding_tile(smoe::MoEShape{}); }
@@ -291,5 +312,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("T"), pybind11::arg("d"), pybind11::arg("n"), pybind11::arg("E"), pybind11::arg("K"),
         pybind11::arg("router") = 0, pybind11::arg("rounding") = 0);
   m.def("token_rounding_tile", &token_rounding_tile, "the M tile token rounding rounds to");
+  m.def("reset_nonfinite_status", &reset_nonfinite_status, "clear the sticky device status of like's device");
+  m.def("saved_expert_frequency", &saved_expert_frequency, "rows per expert of a forward (int32 [E] view of saved)");
   m.def("nonfinite_status", &nonfinite_status, "the sticky device status of like's device (uint8[16])");
 }
