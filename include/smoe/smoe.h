@@ -209,7 +209,9 @@ Status token_rounding_routing(const TokenRoundingProblem& problem, const void* l
 // ------------------------------------------------------------------------------------------------
 // The MoE layer: router (fp32 logits through cuBLAS), top-K routing, SwiGLU experts, aggregation;
 // backward by SonicMoE's rewrite (no Y, no dY). A cuBLAS handle per device and host thread is
-// created on first use (one-time); its workspace is carved from the caller's workspace.
+// created by moe_init() or on first use (one-time); its workspace is carved from the caller's
+// workspace. Inside CUDA-graph capture no handle can be created: call moe_init() on the capturing
+// thread and device first (a call during capture without it fails with a message saying so).
 // Requirements (moe_can_implement): d and n multiples of 64; E, K, T as for routing; x, weights,
 // out, dout, gradients 16-byte aligned; workspace 256-byte aligned.
 // ------------------------------------------------------------------------------------------------
@@ -254,6 +256,10 @@ struct MoEWeights {
 // per-SM descriptors of the CUTLASS weight-gradient GEMM (used for wide experts), so its size is
 // that of the CURRENT device: query it with the device the call will run on current; it returns
 // 0 when no device can be queried or it is not a Hopper (sm_90) GPU.
+// Prepares the current device for layer calls from this host thread (the cuBLAS handle) and checks
+// that it is a Hopper (sm_90) GPU. Optional, except before the first call inside graph capture.
+Status moe_init();
+
 size_t moe_saved_state_size(const MoEShape& shape);
 size_t moe_forward_workspace_size(const MoEShape& shape);
 size_t moe_backward_workspace_size(const MoEShape& shape);

@@ -26,9 +26,28 @@ from .moe import (MoE, GroupedExperts, SharedExperts, TokenChoiceTopKRouter, ROU
 ops = torch.ops.smoe
 
 
+def _align(b):
+    return (b + 255) // 256 * 256
+
+
+def saved_state_bytes(T, n, E, K, router=0, rounding=0, tile=128):
+    """moe_saved_state_size in Python (src/moe/memory_plan.cpp's layout, every region rounded to 256
+    bytes), so that the fake impls stay symbolic in T: torch.compile(dynamic=True) compiles once for
+    every sequence length instead of specialising on T. Tested against the C++ query."""
+    tk = T * K
+    rows = tk
+    if router == 1 and rounding != 2:   # token rounding (not DOWN): worst case of the rounded counts
+        rows = torch.sym_min(T * E, tk + E * (tile - 1))
+    b = _align(rows * 2 * n * 2) + _align(rows * 4) + _align(tk * 4)
+    if router == 1:
+        b += _align(rows * 4) + _align(tk * 4)      # entry experts, top-K scores
+    b += 3 * _align(rows * 4) + _align((T + 1) * 4) + _align(E * 4) + _align((E + 1) * 4)
+    return b
+
+
 def _saved_fake(x, E, n, K, router=0, rounding=0):
-    T, d = x.shape
-    return x.new_empty((_C.saved_state_size(T, d, n, E, K, router, rounding),), dtype=torch.uint8)
+    T = x.shape[0]
+    return x.new_empty((saved_state_bytes(T, n, E, K, router, rounding),), dtype=torch.uint8)
 
 
 @torch.library.register_fake("smoe::moe_forward")
@@ -150,3 +169,9 @@ def raise_if_nonfinite(device=None, reset=True):
         what = ", ".join(v for k, v in _FLAG_NAMES.items() if flags & k)
         where = f"; {count} token(s) with non-finite logits, the first is token {first}" if flags & 1 else ""
         raise FloatingPointError(f"smoe: {what}{where}")
+
+
+def init(device=None):
+    """Create this thread's library handle for `device` (smoe::moe_init). Call it once before capturing
+    the layer in a CUDA graph; outside capture the first call does it anyway."""
+    _C.init(torch.empty(0, device=device or torch.device("cuda", torch.cuda.current_device())))

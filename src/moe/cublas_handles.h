@@ -1,5 +1,5 @@
-// The cuBLAS handles of the router GEMMs: one per host thread and device, created on first use
-// (the library's one hidden allocation), bound to the call's stream and to a workspace region
+// The cuBLAS handles of the router GEMMs: one per host thread and device, created by moe_init() or
+// on first use outside graph capture (the library's one allocation of its own), bound to the call's stream and to a workspace region
 // carved from the caller's workspace.
 #pragma once
 
@@ -12,6 +12,7 @@ namespace smoe {
 namespace blas {
 
 Status prepare(cudaStream_t stream, void* workspace, cublasHandle_t* h);
+Status init_current_device();  // creates this thread's handle for the current device (moe_init)
 Status check(cublasStatus_t s, const char* what);
 
 }  // namespace blas

@@ -1,6 +1,7 @@
 // The layer's shape rules and size queries (memory_plan.h has the layouts), and the profile hook.
 #include "common/check.h"
 #include "engine/engine.h"
+#include "moe/cublas_handles.h"
 #include "moe/layer_common.h"
 #include "moe/memory_plan.h"
 #include "moe/profile.h"
@@ -59,6 +60,12 @@ Status moe_can_implement(const MoEShape& s) {
 }
 
 int moe_token_rounding_tile(const MoEShape&) { return engine::kRowTile; }
+
+Status moe_init() {
+  int sms = 0;
+  SMOE_RETURN_IF_ERROR(layer::sm_count(&sms));  // a Hopper GPU is current
+  return blas::init_current_device();
+}
 
 int64_t moe_row_capacity(const MoEShape& s) {
   if (!moe_can_implement(s).ok()) return 0;

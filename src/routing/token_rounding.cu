@@ -34,6 +34,9 @@
 //   2. expert_count_kernel (block per expert): f_e = popcount of chosen_t[e][:].
 //   3. rounding_offsets_kernel (one block): keep_e = rounded_count(f_e) -> expert_frequency, its
 //      exclusive scan -> expert_offset (offset[E] = nnz).
+//   3b. pad_key_kernel: the padding key of every (expert, token) into an [E][T] table (coalesced
+//      both ways through a shared-memory tile), so the select passes read keys instead of
+//      recomputing a float64 softmax from strided logits in each pass.
 //   4. expert_select_kernel (block per expert): an MSB radix select (12-bit digits, histogram in
 //      shared memory, integer atomics) finds the keep threshold over the chosen or non-chosen
 //      tokens of e, then an ordered compaction over tokens writes the rows [off_e, off_e + keep_e)
@@ -314,6 +317,44 @@ __device__ void block_radix_select(int64_t W, int need, CandF cand, KeyF key, ui
   }
 }
 
+// The padding key of (t, e): q = fl(fl(S - 1) + 1) with S the reference's float64 softmax (see
+// pad_keyf below for why q). One function for the key table and nothing else computes it.
+__device__ __forceinline__ uint64_t pad_key_of(float l, float mx, double sum) {
+  const double S = exp(static_cast<double>(l) - static_cast<double>(mx)) / sum;
+  return order_key(__dadd_rn(__dadd_rn(S, -1.0), 1.0));
+}
+
+// ---- 3b. the padding keys of every (expert, token), transposed to [E][T] ------------------------
+// The selection reads a column of them several times (radix passes, then the compaction): computing
+// each key once here, with every thread busy and both the logits read and the table written
+// coalesced (a 32 x 32 tile through shared memory), instead of per pass in one block per expert
+// (strided logit reads and a float64 exp on a dependent chain) took the select from latency-bound
+// to bandwidth-bound.
+constexpr int kKeyTile = 32;
+template <typename TIn>
+__global__ void __launch_bounds__(kKeyTile * 8)
+    pad_key_kernel(const TIn* __restrict__ logits, int64_t T, int E, const float* __restrict__ row_max,
+                   const double* __restrict__ row_sum, uint64_t* __restrict__ pad_key) {
+  __shared__ uint64_t tile[kKeyTile][kKeyTile + 1];
+  const int64_t t0 = static_cast<int64_t>(blockIdx.x) * kKeyTile;
+  const int e0 = static_cast<int>(blockIdx.y) * kKeyTile;
+#pragma unroll
+  for (int i = 0; i < kKeyTile / 8; ++i) {  // read: consecutive threads, consecutive experts
+    const int r = threadIdx.y + 8 * i;
+    const int64_t t = t0 + r;
+    const int e = e0 + threadIdx.x;
+    if (t < T && e < E) tile[r][threadIdx.x] = pad_key_of(clean_logit(logits + t * E + e), row_max[t], row_sum[t]);
+  }
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < kKeyTile / 8; ++i) {  // write: consecutive threads, consecutive tokens
+    const int c = threadIdx.y + 8 * i;
+    const int e = e0 + c;
+    const int64_t t = t0 + threadIdx.x;
+    if (t < T && e < E) pad_key[static_cast<int64_t>(e) * T + t] = tile[threadIdx.x][c];
+  }
+}
+
 template <typename TIn>
 __global__ void __launch_bounds__(kSelectThreads)
     expert_select_kernel(const TIn* __restrict__ logits, int64_t T, int E, int K, int64_t W, int EW,
@@ -322,8 +363,9 @@ __global__ void __launch_bounds__(kSelectThreads)
                          const int32_t* __restrict__ topk_expert,
                          const float* __restrict__ topk_score,
                          const float* __restrict__ row_max, const double* __restrict__ row_sum,
-                         const double* __restrict__ chosen_key, int32_t* __restrict__ gather,
-                         float* __restrict__ row_score, uint32_t* __restrict__ kept_m) {
+                         const double* __restrict__ chosen_key, const uint64_t* __restrict__ pad_key,
+                         int32_t* __restrict__ gather, float* __restrict__ row_score,
+                         uint32_t* __restrict__ kept_m) {
   using Scan = cub::BlockScan<int, kSelectThreads>;
   __shared__ uint32_t hist[kBins];
   __shared__ typename Scan::TempStorage scan_tmp;
@@ -358,9 +400,9 @@ __global__ void __launch_bounds__(kSelectThreads)
   // grid is representable, so adding 1 gives j 2^-53 exactly; for S >= 0.5, S - 1 is exact
   // (Sterbenz) and q = S. So q is an exact, strictly increasing function of the reference's key
   // fl(S - 1). The _rn intrinsics keep the compiler from fusing or reassociating the two adds.
-  auto pad_keyf = [&](int64_t t) -> uint64_t {
-    return order_key(__dadd_rn(__dadd_rn(softmax_e(t), -1.0), 1.0));
-  };
+  // (pad_key_of computes it; the table holds it for every token of this expert.)
+  const uint64_t* pad_col = pad_key + static_cast<int64_t>(e) * T;
+  auto pad_keyf = [&](int64_t t) -> uint64_t { return pad_col[t]; };
 
   // keep == f: the chosen tokens; keep == T (> f): every token; else a selection.
   const bool drop = keep < f;
@@ -542,6 +584,7 @@ struct Plan {
   float* row_max = nullptr;      // [T]
   double* row_sum = nullptr;     // [T]
   double* chosen_key = nullptr;  // [T*K]
+  uint64_t* pad_key = nullptr;   // [E][T] padding keys (pad_key_kernel)
   int32_t* fcount = nullptr;     // [E]
   float* row_score = nullptr;    // [cap]
   int32_t* count = nullptr;      // [T]
@@ -577,6 +620,7 @@ Plan make_plan(const TokenRoundingProblem& p, void* base) {
   pl.row_max = c.take<float>(t);
   pl.row_sum = c.take<double>(t);
   pl.chosen_key = c.take<double>(t * static_cast<size_t>(p.top_k));
+  pl.pad_key = c.take<uint64_t>(t * E);
   pl.fcount = c.take<int32_t>(E);
   pl.row_score = c.take<float>(static_cast<size_t>(pl.cap));
   pl.count = c.take<int32_t>(t);
@@ -608,9 +652,13 @@ Status launch(const TokenRoundingProblem& p, const TIn* logits, const TokenRound
   rounding_offsets_kernel<<<1, kScanThreads, 0, stream>>>(pl.fcount, T, E, p.m_tile, p.mode, p.seed,
                                                          o.expert_frequency, o.expert_offset);
   SMOE_CHECK_LAUNCH("rounding_offsets_kernel");
+  const dim3 key_grid(static_cast<unsigned>((T + kKeyTile - 1) / kKeyTile), (E + kKeyTile - 1) / kKeyTile);
+  pad_key_kernel<TIn><<<key_grid, dim3(kKeyTile, 8), 0, stream>>>(logits, T, E, pl.row_max, pl.row_sum,
+                                                                 pl.pad_key);
+  SMOE_CHECK_LAUNCH("pad_key_kernel");
   expert_select_kernel<TIn><<<E, kSelectThreads, 0, stream>>>(
       logits, T, E, K, pl.W, pl.EW, pl.chosen_t, pl.fcount, o.expert_frequency, o.expert_offset,
-      o.topk_expert, o.topk_score, pl.row_max, pl.row_sum, pl.chosen_key, o.gather_idx,
+      o.topk_expert, o.topk_score, pl.row_max, pl.row_sum, pl.chosen_key, pl.pad_key, o.gather_idx,
       pl.row_score, pl.kept_m);
   SMOE_CHECK_LAUNCH("expert_select_kernel");
   token_count_kernel<<<static_cast<unsigned>(pl.n_tiles), kScanThreads, 0, stream>>>(

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <cuda_bf16.h>
@@ -711,4 +712,53 @@ TEST(GpuLayer, Over2Pow31Elements) {
   for (float v : o.dx) ASSERT_FALSE(std::isnan(v));
   for (float v : o.dw1) ASSERT_FALSE(std::isnan(v));
   for (float v : o.dw2) ASSERT_FALSE(std::isnan(v));
+}
+
+// CUDA-graph capture: a host thread without a cuBLAS handle gets a clear error during capture (no
+// allocation inside capture); after moe_init() the captured forward replays bitwise like eager.
+TEST(GpuLayer, GraphCaptureNeedsInitThenReplaysBitwise) {
+  const smoe::MoEShape s{300, 128, 64, 8, 2};
+  GpuLayer g(s);
+  g.fill_random(fresh_seed());
+  ASSERT_TRUE(g.run(false).ok());
+  const std::vector<bf16> eager = g.out.download();
+  std::thread worker([&]() {
+    cudaStream_t st;
+    ASSERT_EQ(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), cudaSuccess);
+    smoe::MoEForwardArgs f;
+    f.shape = s;
+    f.x = g.x.get();
+    f.weights = {g.wr.get(), g.w1.get(), g.w2.get()};
+    f.out = g.out.get();
+    f.saved = g.saved.get();
+    f.saved_bytes = g.saved.bytes();
+    f.workspace = g.wsf.get();
+    f.workspace_bytes = g.wsf.bytes();
+    f.status = g.status.get();
+    ASSERT_EQ(g.out.poison(), cudaSuccess);
+    cudaGraph_t graph = nullptr;
+    ASSERT_EQ(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+    const smoe::Status no_init = smoe::moe_forward(f, st);
+    ASSERT_EQ(cudaStreamEndCapture(st, &graph), cudaSuccess);
+    if (graph) cudaGraphDestroy(graph);
+    EXPECT_EQ(no_init.code, smoe::StatusCode::kInvalidArgument);
+    EXPECT_NE(no_init.message.find("moe_init"), std::string::npos) << no_init.message;
+
+    ASSERT_TRUE(smoe::moe_init().ok());
+    ASSERT_EQ(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+    const smoe::Status with_init = smoe::moe_forward(f, st);
+    ASSERT_EQ(cudaStreamEndCapture(st, &graph), cudaSuccess);
+    ASSERT_TRUE(with_init.ok()) << with_init.message;
+    cudaGraphExec_t exec = nullptr;
+    ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+    for (int i = 0; i < 2; ++i) ASSERT_EQ(cudaGraphLaunch(exec, st), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(st), cudaSuccess);
+    const std::vector<bf16> replay = g.out.download();
+    EXPECT_EQ(std::memcmp(replay.data(), eager.data(), eager.size() * sizeof(bf16)), 0)
+        << "graph replay differs from the eager forward";
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    cudaStreamDestroy(st);
+  });
+  worker.join();
 }

@@ -448,3 +448,37 @@ def test_nonfinite_logits_raise_and_reset():
     with pytest.raises(FloatingPointError, match="first is token 17"):
         smoe_torch.raise_if_nonfinite()
     smoe_torch.raise_if_nonfinite()          # the record was reset by the raise above
+
+
+def test_fake_saved_size_matches_the_library():
+    for T in (0, 1, 7, 128, 1000, 4099):
+        for (n, E, K) in ((64, 8, 2), (256, 128, 8), (128, 512, 16)):
+            for router, rounding in ((0, 0), (2, 0), (1, 0), (1, 1), (1, 2), (1, 3)):
+                assert smoe_torch.saved_state_bytes(T, n, E, K, router, rounding) == \
+                    smoe_torch._C.saved_state_size(T, 128, n, E, K, router, rounding), (T, n, E, K, router, rounding)
+
+
+def test_torch_compile_dynamic_compiles_once_over_T():
+    import torch._dynamo
+    torch._dynamo.reset()
+    m = smoe_torch.MoE(128, 64, 8, 2).cuda().to(torch.bfloat16)
+    frames = []
+
+    def backend(gm, example_inputs):
+        frames.append(gm)
+        return gm.forward
+
+    f = torch.compile(m, dynamic=True, backend=backend)
+    for T in (130, 257, 600, 1000):
+        x = torch.randn(T, 128, device="cuda").bfloat16().requires_grad_(True)
+        out = f(x)
+        ref = m(x.detach())
+        assert rel_l2(out, ref) < 1e-6, T   # same kernels, bitwise-equal up to nothing
+        out.float().sum().backward()
+    assert len(frames) == 1, f"recompiled: {len(frames)} graphs for 4 sequence lengths"
+
+
+def test_topk_routing_op_checks_top_k_before_casting():
+    logits = torch.randn(16, 8, device="cuda")
+    with pytest.raises(RuntimeError, match="top_k = 4294967298"):
+        torch.ops.smoe.topk_routing(logits, 2 ** 32 + 2)

@@ -48,6 +48,9 @@ smoe::MoEShape layer_shape(const at::Tensor& x, const at::Tensor& w_router, cons
   check_tensor(w1, "w1", at::kBFloat16, 3);
   check_tensor(w2, "w2", at::kBFloat16, 3);
   const int64_t T = x.size(0), d = x.size(1), E = w1.size(0);
+  // Checked before the int casts below (a size of 2^32 + 64 must not run as 64).
+  TORCH_CHECK(d <= INT32_MAX && E <= INT32_MAX && w1.size(1) <= INT32_MAX, "smoe: d = ", num(d), ", E = ", num(E),
+              " and 2n = ", num(w1.size(1)), " must each fit in int32");
   if (w_router.defined()) {
     check_tensor(w_router, "w_router", at::kBFloat16, 2);
     TORCH_CHECK(w_router.size(0) == E && w_router.size(1) == d, "smoe: w_router must be [E, d] = ", dims({E, d}),
@@ -226,6 +229,10 @@ std::vector<at::Tensor> topk_routing(const at::Tensor& logits, int64_t top_k) {
               "smoe: logits must be a contiguous 2-D CUDA tensor [T, E] (got ", dims(logits.sizes()), ")");
   TORCH_CHECK(logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16,
               "smoe: logits must be float32 or bfloat16 (got ", logits.scalar_type(), ")");
+  TORCH_CHECK(top_k >= 1 && top_k <= smoe::kMaxTopK, "smoe: top_k = ", num(top_k), " must be in [1, ",
+              num(smoe::kMaxTopK), "]");
+  TORCH_CHECK(logits.size(1) >= 1 && logits.size(1) <= smoe::kMaxExperts, "smoe: logits.size(1) (E) = ",
+              num(logits.size(1)), " must be in [1, ", num(smoe::kMaxExperts), "]");
   smoe::RoutingProblem p{logits.size(0), static_cast<int>(logits.size(1)), static_cast<int>(top_k),
                          logits.scalar_type() == at::kFloat ? smoe::DType::kFloat32 : smoe::DType::kBFloat16};
   throw_if(smoe::routing_can_implement(p));
@@ -246,6 +253,7 @@ std::vector<at::Tensor> topk_routing(const at::Tensor& logits, int64_t top_k) {
 
 // Clear the sticky status of like's device (enqueued on the current stream).
 void reset_nonfinite_status(const at::Tensor& like) {
+  const c10::cuda::CUDAGuard guard(like.device());  // like's device and its current stream
   throw_if(smoe::reset_device_status(device_status(like), at::cuda::getCurrentCUDAStream()));
 }
 
@@ -277,6 +285,12 @@ at::Tensor saved_expert_frequency(const at::Tensor& saved, int64_t T, int64_t d,
   const smoe::MoESavedView v = smoe::moe_saved_state_view(s, saved.data_ptr());
   const int64_t off = reinterpret_cast<char*>(v.expert_frequency) - static_cast<char*>(saved.data_ptr());
   return saved.narrow(0, off, 4 * E).view(at::kInt);
+}
+
+// smoe::moe_init on like's device (call before capturing the layer in a CUDA graph).
+void init(const at::Tensor& like) {
+  const c10::cuda::CUDAGuard guard(like.device());
+  throw_if(smoe::moe_init());
 }
 
 int64_t token_rounding_tile() { return smoe::moe_token_rounding_tile(smoe::MoEShape{}); }
@@ -312,6 +326,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("T"), pybind11::arg("d"), pybind11::arg("n"), pybind11::arg("E"), pybind11::arg("K"),
         pybind11::arg("router") = 0, pybind11::arg("rounding") = 0);
   m.def("token_rounding_tile", &token_rounding_tile, "the M tile token rounding rounds to");
+  m.def("init", &init, "smoe::moe_init on like's device (needed before CUDA-graph capture)");
   m.def("reset_nonfinite_status", &reset_nonfinite_status, "clear the sticky device status of like's device");
   m.def("saved_expert_frequency", &saved_expert_frequency, "rows per expert of a forward (int32 [E] view of saved)");
   m.def("nonfinite_status", &nonfinite_status, "the sticky device status of like's device (uint8[16])");
