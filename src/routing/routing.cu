@@ -16,6 +16,7 @@
 #include <cub/device/device_radix_sort.cuh>
 
 #include "common/check.h"
+#include "routing/routing_rules.h"
 #include "routing/warp_topk.cuh"
 #include "smoe/smoe.h"
 
@@ -174,32 +175,7 @@ Status reset_device_status(DeviceStatus* status, cudaStream_t stream) {
 }
 
 Status routing_can_implement(const RoutingProblem& p) {
-  using detail::concat;
-  using detail::make_status;
-  const char* fn = "topk_routing";
-  if (p.num_experts < 1 || p.num_experts > kMaxExperts)
-    return make_status(StatusCode::kInvalidArgument,
-                       concat(fn, ": num_experts (E) = ", p.num_experts, " must be in [1, ",
-                              kMaxExperts, "]"));
-  if (p.top_k < 1 || p.top_k > kMaxTopK)
-    return make_status(StatusCode::kInvalidArgument,
-                       concat(fn, ": top_k (K) = ", p.top_k, " must be in [1, ", kMaxTopK, "]"));
-  if (p.top_k > p.num_experts)
-    return make_status(StatusCode::kInvalidArgument,
-                       concat(fn, ": top_k (K) = ", p.top_k, " must not exceed num_experts (E) = ",
-                              p.num_experts));
-  if (p.num_tokens < 0)
-    return make_status(StatusCode::kInvalidArgument,
-                       concat(fn, ": num_tokens (T) = ", p.num_tokens, " must be >= 0"));
-  int64_t tk = 0;
-  if (!detail::checked_product({p.num_tokens, p.top_k}, INT32_MAX, &tk))
-    return make_status(StatusCode::kInvalidArgument,
-                       concat(fn, ": num_tokens * top_k (T*K) with T = ", p.num_tokens, ", K = ", p.top_k,
-                              " must be <= 2^31-1 (routed rows are int32 indices)"));
-  if (p.logits_dtype != DType::kFloat32 && p.logits_dtype != DType::kBFloat16)
-    return make_status(StatusCode::kInvalidArgument,
-                       concat(fn, ": logits_dtype must be kFloat32 or kBFloat16"));
-  return Status{};
+  return routing::check_routing_shape("topk_routing", p.num_tokens, p.num_experts, p.top_k, p.logits_dtype);
 }
 
 Status routing_workspace_size(const RoutingProblem& p, size_t* bytes) {

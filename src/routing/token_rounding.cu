@@ -58,6 +58,7 @@
 
 #include "common/check.h"
 #include "common/workspace.h"
+#include "routing/routing_rules.h"
 #include "routing/warp_topk.cuh"
 #include "smoe/smoe.h"
 
@@ -683,20 +684,7 @@ Status token_rounding_can_implement(const TokenRoundingProblem& p) {
   using detail::concat;
   using detail::make_status;
   const char* fn = "token_rounding_routing";
-  if (p.num_experts < 1 || p.num_experts > kMaxExperts)
-    return make_status(StatusCode::kInvalidArgument,
-                       concat(fn, ": num_experts (E) = ", p.num_experts, " must be in [1, ",
-                              kMaxExperts, "]"));
-  if (p.top_k < 1 || p.top_k > kMaxTopK)
-    return make_status(StatusCode::kInvalidArgument,
-                       concat(fn, ": top_k (K) = ", p.top_k, " must be in [1, ", kMaxTopK, "]"));
-  if (p.top_k > p.num_experts)
-    return make_status(StatusCode::kInvalidArgument,
-                       concat(fn, ": top_k (K) = ", p.top_k, " must not exceed num_experts (E) = ",
-                              p.num_experts));
-  if (p.num_tokens < 0)
-    return make_status(StatusCode::kInvalidArgument,
-                       concat(fn, ": num_tokens (T) = ", p.num_tokens, " must be >= 0"));
+  SMOE_RETURN_IF_ERROR(routing::check_routing_shape(fn, p.num_tokens, p.num_experts, p.top_k, p.logits_dtype));
   if (p.m_tile < 1)
     return make_status(StatusCode::kInvalidArgument,
                        concat(fn, ": m_tile = ", p.m_tile, " must be >= 1"));
@@ -705,14 +693,6 @@ Status token_rounding_can_implement(const TokenRoundingProblem& p) {
     return make_status(StatusCode::kInvalidArgument,
                        concat(fn, ": mode = ", static_cast<int>(p.mode),
                               " must be kNearest, kUp, kDown or kStochastic"));
-  if (p.logits_dtype != DType::kFloat32 && p.logits_dtype != DType::kBFloat16)
-    return make_status(StatusCode::kInvalidArgument,
-                       concat(fn, ": logits_dtype must be kFloat32 or kBFloat16"));
-  int64_t tk = 0;
-  if (!detail::checked_product({p.num_tokens, p.top_k}, INT32_MAX, &tk))
-    return make_status(StatusCode::kInvalidArgument,
-                       concat(fn, ": num_tokens * top_k (T*K) with T = ", p.num_tokens, ", K = ",
-                              p.top_k, " must be <= 2^31-1 (routed rows are int32 indices)"));
   // Rows and entries are int32 indices too.
   const int64_t cap = capacity_of(p);
   if (cap > INT32_MAX)
