@@ -361,3 +361,27 @@ TEST(LayerValidation, ZeroTokensAcceptNullTokenTensors) {
     expect_error(smoe::moe_backward(b, nullptr), C::kInvalidArgument, "dw2 is null");
   }
 }
+
+// provided_routing: the caller's ids and scores and the outputs against their rules, before any CUDA
+// call (ids themselves are device data: checked on the device, see GpuLayerRouting.ProvidedInvalid*).
+TEST(RoutingValidation, ProvidedRoutingRejectsBeforeLaunch) {
+  using C = smoe::StatusCode;
+  const smoe::RoutingProblem p = problem(100, 64, 8);
+  const int32_t* ids = fake<const int32_t>(0xA0000);
+  const float* sc = fake<const float>(0xB0000);
+  void* ws = fake<void>(0x100000);
+  expect_error(smoe::provided_routing(problem(100, 64, 65), ids, sc, fake_outputs(), ws, 1 << 20, nullptr),
+               C::kInvalidArgument, "provided_routing: top_k");
+  expect_error(smoe::provided_routing(p, nullptr, sc, fake_outputs(), ws, 1 << 20, nullptr), C::kInvalidArgument,
+               "expert is null");
+  expect_error(smoe::provided_routing(p, ids, fake<const float>(0xB0002), fake_outputs(), ws, 1 << 20, nullptr),
+               C::kMisalignedPointer, "scores");
+  smoe::RoutingOutputs o = fake_outputs();
+  o.token_offset = fake<int32_t>(0xC0001);
+  expect_error(smoe::provided_routing(p, ids, sc, o, ws, 1 << 20, nullptr), C::kMisalignedPointer,
+               "outputs.token_offset");
+  o = fake_outputs();
+  o.reverse_scatter_idx = nullptr;
+  expect_error(smoe::provided_routing(p, ids, sc, o, ws, 1 << 20, nullptr), C::kInvalidArgument,
+               "outputs.reverse_scatter_idx");
+}
