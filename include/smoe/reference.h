@@ -203,6 +203,44 @@ std::vector<double> interleave_gate_up(const std::vector<double>& gate,
 void deinterleave_gate_up(const std::vector<double>& w1, int E, int n, int d,
                           std::vector<double>* gate, std::vector<double>* up);
 
+// ---------------------------------------------------------------------------------------------
+// Expert parallelism (EP): the deterministic layout, as the spec of the multi-GPU kernels
+// ---------------------------------------------------------------------------------------------
+// R ranks; expert e lives on rank e / (E/R) as its local expert e % (E/R) (E % R == 0). Rank s holds
+// its own tokens and their routing (token-major entries). Dispatch sends every token ONCE to each
+// rank that owns at least one of its experts. The layout depends only on the routings, so every
+// placement below is a prefix sum: no slot-grabbing atomics, the same receive order on every run.
+//   receive buffer of rank r: the tokens of source rank 0 (ascending token), then of rank 1, ...;
+//     slot = recv_offset[r][s] + (position of t among the tokens s sends to r)
+//   grouped rows of rank r: by local expert, then receive slot (so by source rank, then token);
+//     row -> receive slot (the gather of the up-projection), -> (source rank, source entry)
+//   combine: each rank reduces its rows of one received token in that token's entry order, and
+//     returns one row per (token, rank) to the token's slot of the source; the source adds the
+//     per-rank partial rows in ascending rank order.
+struct EpRankLayout {
+  std::vector<int64_t> recv_offset;     // [R]    first slot of each source rank's tokens
+  std::vector<int32_t> recv_src_rank;   // [slots] source rank of each receive slot
+  std::vector<int64_t> recv_src_token;  // [slots] source token of each receive slot
+  std::vector<int64_t> expert_offset;   // [E/R + 1] grouped rows per local expert
+  std::vector<int64_t> row_slot;        // [rows] receive slot of each grouped row
+  std::vector<int32_t> row_src_rank;    // [rows]
+  std::vector<int64_t> row_src_entry;   // [rows] entry index in the source rank's routing
+};
+struct EpLayout {
+  int R = 0, E = 0;
+  std::vector<std::vector<int64_t>> send_tokens;  // [s*R + r] tokens s sends to r, ascending
+  std::vector<EpRankLayout> rank;                 // [R] what each rank receives and computes
+};
+EpLayout ep_layout_ref(const std::vector<GeneralRouting>& routing_per_rank, int R);
+
+// The experts' forward under EP through that layout (float64): out per source rank [T_s][d], with
+// the combine order above. It must equal experts_forward_ref of all ranks' tokens on one GPU (up to
+// float64 rounding: only the summation order of a token's experts differs).
+std::vector<std::vector<double>> ep_experts_forward_ref(const std::vector<std::vector<double>>& x_per_rank,
+                                                        const MoEShape& s, const MoEWeights& w,
+                                                        const std::vector<GeneralRouting>& routing_per_rank,
+                                                        const EpLayout& layout);
+
 // Relative L2 error ||a - b|| / ||b|| (returns ||a|| when b is all zero; NaN propagates).
 double rel_l2(const std::vector<double>& a, const std::vector<double>& b);
 

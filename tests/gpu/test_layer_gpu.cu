@@ -460,6 +460,7 @@ TEST(GpuLayerRouting, ProvidedAgainstFloat64Reference) {
       {{200, 64, 128, 64, 4, smoe::MoERouter::kProvided}, 16, -1},  // 48 of 64 experts empty
       {{64, 64, 64, 512, 16, smoe::MoERouter::kProvided}, 512, -1}, // E = 512, K = 16
       {{257, 128, 64, 16, 3, smoe::MoERouter::kProvided}, 16, 5},   // one hot expert in every token
+      {{300, 128, 576, 8, 2, smoe::MoERouter::kProvided}, 8, -1},   // n = 576: the CUTLASS dW path
   };
   for (const C& c : cases) {
     const uint64_t seed = fresh_seed();
@@ -498,8 +499,10 @@ TEST(GpuLayerRouting, TokenRoundingAgainstFloat64Reference) {
   using M = smoe::TokenRoundingMode;
   // Average rows per expert 75, 175 and 32 against the 128-row tile: every mode pads some experts
   // and drops from others; E = 64 leaves experts empty after rounding down.
+  // The last shape (n = 576) takes the CUTLASS weight-gradient path for dW1 and dW2 (dw_path.h),
+  // whose per-expert pointers come from expert_offset on the device: rows past nnz must stay unread.
   const smoe::MoEShape shapes[] = {{300, 128, 64, 8, 2}, {700, 64, 128, 16, 4}, {129, 64, 64, 4, 1},
-                                   {512, 64, 64, 64, 4}};
+                                   {512, 64, 64, 64, 4}, {600, 128, 576, 8, 2}};
   for (smoe::MoEShape s : shapes) {
     s.router = smoe::MoERouter::kTokenRounding;
     for (M mode : {M::kNearest, M::kUp, M::kDown, M::kStochastic}) {
