@@ -6,14 +6,13 @@
 #include <vector>
 
 #include "smoe/reference.h"
+#include "ref_require.h"
 
 namespace smoe {
 namespace ref {
 
 namespace {
-void require(bool ok, const char* what) {
-  if (!ok) throw std::invalid_argument(std::string("smoe::ref: ") + what);
-}
+using detail::require;
 }  // namespace
 
 EpLayout ep_layout_ref(const std::vector<GeneralRouting>& rt, int R) {

@@ -1,6 +1,7 @@
 // float64 CPU reference: MoE layer with SwiGLU experts (forward, two backward methods, router).
 // See include/smoe/reference.h for the spec and the layouts.
 #include "smoe/reference.h"
+#include "ref_require.h"
 
 #include <stdexcept>
 #include <string>
@@ -11,9 +12,7 @@ namespace ref {
 
 namespace {
 
-void require(bool ok, const char* what) {
-  if (!ok) throw std::invalid_argument(std::string("smoe::ref: ") + what);
-}
+using detail::require;
 
 void check_expert_inputs(const std::vector<double>& x, const MoEShape& s, const MoEWeights& w,
                          const GeneralRouting& r, const RoutingMetadata& m) {

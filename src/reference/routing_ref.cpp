@@ -1,6 +1,7 @@
 // float64 CPU reference: routing (top-K softmax, metadata, router backward), SwiGLU, helpers.
 // Written for clarity, not speed. See include/smoe/reference.h for the spec.
 #include "smoe/reference.h"
+#include "ref_require.h"
 
 #include <algorithm>
 #include <cmath>
@@ -14,9 +15,7 @@ namespace ref {
 
 namespace {
 
-void require(bool ok, const char* what) {
-  if (!ok) throw std::invalid_argument(std::string("smoe::ref: ") + what);
-}
+using detail::require;
 
 }  // namespace
 

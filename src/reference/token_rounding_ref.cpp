@@ -1,6 +1,7 @@
 // float64 CPU reference: token rounding (SonicMoE "TR" routing).
 // See include/smoe/reference.h for the spec.
 #include "smoe/reference.h"
+#include "ref_require.h"
 
 #include <algorithm>
 #include <cmath>
@@ -14,9 +15,7 @@ namespace ref {
 
 namespace {
 
-void require(bool ok, const char* what) {
-  if (!ok) throw std::invalid_argument(std::string("smoe::ref: ") + what);
-}
+using detail::require;
 
 uint64_t splitmix64(uint64_t z) {
   z += 0x9E3779B97F4A7C15ULL;
