@@ -289,8 +289,9 @@ Status topk_routing(const RoutingProblem& p, const void* logits, const RoutingOu
 Status provided_routing(const RoutingProblem& p, const int32_t* expert, const float* scores,
                         const RoutingOutputs& o, void* workspace, size_t workspace_bytes,
                         cudaStream_t stream) {
-  SMOE_RETURN_IF_ERROR(routing_can_implement(p));
   const char* fn = "provided_routing";
+  // logits_dtype is not used here (no logits): not checked.
+  SMOE_RETURN_IF_ERROR(routing::check_routing_shape(fn, p.num_tokens, p.num_experts, p.top_k, DType::kFloat32));
   const int64_t T = p.num_tokens;
   if (T * p.top_k > 0) {
     SMOE_RETURN_IF_ERROR(detail::check_ptr(expert, fn, "expert", 4));
