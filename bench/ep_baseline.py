@@ -1,0 +1,224 @@
+"""Expert-parallel MoE baselines on torch.distributed (issue 11's comparison points) and their check.
+
+  torchtitan_a2a   torchtitan's pattern: top-K, argsort by expert, all_to_all_single of the counts
+                   (a device-to-host sync for the splits), all_to_all_single of one row per
+                   (token, k), permute to expert-major, grouped GEMMs (torch._grouped_mm on CUDA),
+                   the reverse path, score-weighted sum over k.
+  ours_local_a2a   the same communication, with the local experts on our single-GPU kernels
+                   (smoe_torch.moe_routed: every received row is a "token" routed to one expert).
+
+Both are differentiable (torch.distributed.nn.functional.all_to_all_single), so forward and backward
+are timed, and both are checked against the one-process layer on all ranks' tokens.
+
+    torchrun --nproc_per_node 2 bench/ep_baseline.py --configs bench/configs.json --out ep_base.json
+    python3 bench/ep_baseline.py --cpu-check      # 2 gloo processes on the CPU: the logic alone
+"""
+import argparse
+import json
+import math
+import os
+import statistics
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.nn.functional import all_to_all_single
+
+
+def swiglu_experts_loop(x, w1, w3, w2, counts):
+    """Grouped SwiGLU experts on expert-major rows (counts per expert): a loop (CPU, references)."""
+    out, o = [], 0
+    for e, c in enumerate(counts):
+        xe = x[o:o + c]
+        out.append((F.silu(xe @ w1[e].T) * (xe @ w3[e].T)) @ w2[e].T)
+        o += c
+    return torch.cat(out) if out else x.new_zeros(0, w2.shape[1])
+
+
+def swiglu_experts_grouped_mm(x, w1, w3, w2, counts):
+    """The same with torch._grouped_mm (CUDA, bf16): offsets are the cumulative row counts."""
+    offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+    g = torch._grouped_mm(x, w1.transpose(1, 2), offs=offs)
+    u = torch._grouped_mm(x, w3.transpose(1, 2), offs=offs)
+    return torch._grouped_mm(F.silu(g) * u, w2.transpose(1, 2), offs=offs)
+
+
+def acc_dtype(t):
+    """fp32 accumulation for bf16/fp16 data, the data's own precision above that (the CPU check)."""
+    return torch.promote_types(t.dtype, torch.float32)
+
+
+def route(x, wr, K):
+    a = acc_dtype(x)
+    logits = x.to(a) @ wr.to(a).T
+    vals, idx = logits.topk(K, dim=-1)
+    return idx, vals.softmax(-1)
+
+
+def ep_moe(x, wr, w1, w3, w2, K, E, group, experts_fn):
+    """One rank's part of the EP layer (torchtitan pattern). w1/w3/w2: this rank's E/R experts."""
+    R = dist.get_world_size(group)
+    El = E // R
+    T, d = x.shape
+    idx, s = route(x, wr, K)
+    flat = idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)             # entries by expert (then entry index)
+    rows = x.repeat_interleave(K, dim=0)[order]          # one row per (token, k), expert-major
+    counts = torch.bincount(flat, minlength=E)           # [E] rows per global expert, this rank
+    recv_counts = torch.empty_like(counts)
+    dist.all_to_all_single(recv_counts, counts, group=group)   # [R * El]: from rank s, for my experts
+    send_split = counts.view(R, El).sum(1).tolist()      # the device-to-host sync of this pattern
+    recv_split = recv_counts.view(R, El).sum(1).tolist()
+    recv = all_to_all_single(x.new_empty(sum(recv_split), d), rows, recv_split, send_split, group=group)
+    # Received rows are (source rank, local expert); permute to (local expert, source rank).
+    rc = recv_counts.view(R, El)
+    src_off = torch.cat([rc.new_zeros(1), rc.reshape(-1).cumsum(0)[:-1]]).view(R, El)
+    perm = torch.cat([torch.arange(src_off[r_, l], src_off[r_, l] + rc[r_, l], device=x.device)
+                      for l in range(El) for r_ in range(R)]) if recv.shape[0] else recv.new_zeros(0, dtype=torch.long)
+    y = experts_fn(recv[perm], w1, w3, w2, rc.sum(0).tolist())
+    back = torch.empty_like(y)
+    back = back.index_copy(0, perm, y) if y.shape[0] else y
+    ret = all_to_all_single(x.new_empty(rows.shape[0], d), back, send_split, recv_split, group=group)
+    per_entry = torch.empty_like(ret).index_copy(0, order, ret).view(T, K, d)
+    return (per_entry.to(s.dtype) * s.unsqueeze(-1)).sum(1).to(x.dtype)   # k order, fp32 (or finer)
+
+
+def one_gpu_reference(x_all, wr, w1, w3, w2, K):
+    idx, s = route(x_all, wr, K)
+    x = x_all.to(s.dtype)
+    out = torch.zeros_like(x)
+    for e in range(w1.shape[0]):
+        tok, k = (idx == e).nonzero(as_tuple=True)
+        if tok.numel():
+            xe = x[tok]
+            y = (F.silu(xe @ w1[e].to(x.dtype).T) * (xe @ w3[e].to(x.dtype).T)) @ w2[e].to(x.dtype).T
+            out = out.index_add(0, tok, y * s[tok, k, None])
+    return out
+
+
+def weights(E, d, n, seed, device, dtype):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    mk = lambda *shape, scale: (torch.randn(*shape, generator=g) * scale).to(device=device, dtype=dtype)  # noqa: E731
+    return (mk(E, d, scale=1 / math.sqrt(d)), mk(E, n, d, scale=1 / math.sqrt(d)),
+            mk(E, n, d, scale=1 / math.sqrt(d)), mk(E, d, n, scale=1 / math.sqrt(n)))
+
+
+def check(rank, T, d, n, E, K, device, dtype, experts_fn, tol):
+    """EP output and gradients (x, expert weights) against the one-process layer on all tokens."""
+    R = dist.get_world_size()
+    El = E // R
+    wr, w1, w3, w2 = weights(E, d, n, 1, device, dtype)
+    g = torch.Generator(device="cpu").manual_seed(100)
+    x_all = torch.randn(R * T, d, generator=g).to(device=device, dtype=dtype)
+    dout_all = torch.randn(R * T, d, generator=g).to(device=device, dtype=dtype)
+    sl = slice(rank * El, (rank + 1) * El)
+    x = x_all[rank * T:(rank + 1) * T].clone().requires_grad_(True)
+    lw = [w[sl].clone().requires_grad_(True) for w in (w1, w3, w2)]
+    out = ep_moe(x, wr, *lw, K, E, None, experts_fn)
+    a = acc_dtype(x)
+    out.to(a).backward(dout_all[rank * T:(rank + 1) * T].to(a))
+    xr = x_all.clone().to(a).requires_grad_(True)
+    rw = [w.clone().to(a).requires_grad_(True) for w in (w1, w3, w2)]
+    ref = one_gpu_reference(xr, wr, *rw, K)
+    ref.backward(dout_all.to(a))
+    rel = lambda a, b: ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()  # noqa: E731
+    errs = {"out": rel(out, ref[rank * T:(rank + 1) * T]), "dx": rel(x.grad, xr.grad[rank * T:(rank + 1) * T])}
+    for name, a, b in zip(("dw1", "dw3", "dw2"), lw, rw):
+        errs[name] = rel(a.grad, b.grad[sl])
+    bad = {k: v for k, v in errs.items() if not v < tol}
+    print(f"rank {rank}: " + " ".join(f"{k} {v:.2e}" for k, v in errs.items()), flush=True)
+    return not bad
+
+
+def timed(fn, warmup, reps):
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        dist.barrier()
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        t = torch.tensor([a.elapsed_time(b)], device="cuda")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)   # max over ranks, as Parallel Kernel Bench
+        ts.append(t.item())
+    return statistics.median(ts)
+
+
+def bench(args):
+    dist.init_process_group("nccl")
+    rank, R = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    import smoe_torch
+
+    def ours_fn(xr, w1, w3, w2, counts):
+        El = w1.shape[0]
+        ids = torch.repeat_interleave(torch.arange(El, device=xr.device, dtype=torch.int32),
+                                      torch.tensor(counts, device=xr.device)).unsqueeze(1)
+        w1i = torch.stack((w1, w3), dim=2).reshape(El, 2 * w1.shape[1], w1.shape[2])
+        return smoe_torch.moe_routed(xr, w1i, w2, ids, torch.ones_like(ids, dtype=torch.float32), validate=False)
+
+    systems = {"torchtitan_a2a": swiglu_experts_grouped_mm, "ours_local_a2a": ours_fn}
+    configs = json.load(open(args.configs))
+    results = []
+    for c in configs:
+        if args.only and c["name"] not in args.only.split(","):
+            continue
+        T, d, n, E, K = c["T"] // R, c["d"], c["n"], c["E"], c["K"]
+        entry = {"config": dict(c, ep=R), "systems": {}}
+        ok = all(check(rank, min(T, 256), d, n, E, K, "cuda", torch.bfloat16, fn, 2e-2) for fn in systems.values())
+        wr, w1, w3, w2 = weights(E, d, n, 1, "cuda", torch.bfloat16)
+        El = E // R
+        lw = [w[rank * El:(rank + 1) * El].clone().requires_grad_(True) for w in (w1, w3, w2)]
+        x = torch.randn(T, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        dout = torch.randn(T, d, device="cuda", dtype=torch.bfloat16)
+        for name, fn in systems.items():
+            try:
+                f_ms = timed(lambda: ep_moe(x, wr, *lw, K, E, None, fn), args.warmup, args.reps)
+                fb_ms = timed(lambda: ep_moe(x, wr, *lw, K, E, None, fn).backward(dout), args.warmup, args.reps)
+                flops = T * K * d * n   # per rank
+                entry["systems"][name] = {"fwd_ms": f_ms, "bwd_ms": fb_ms - f_ms, "fwd_tflops": 6 * flops / f_ms / 1e9,
+                                          "bwd_tflops": 12 * flops / (fb_ms - f_ms) / 1e9, "correct": ok}
+            except Exception as ex:  # a system that cannot run keeps an entry with the reason
+                entry["systems"][name] = {"error": str(ex)[:300]}
+        results.append(entry)
+        if rank == 0:
+            print(json.dumps(entry), flush=True)
+    if rank == 0 and args.out:
+        json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "world_size": R,
+                   "commit": os.environ.get("SMOE_COMMIT", "unknown"), "results": results}, open(args.out, "w"), indent=1)
+    dist.destroy_process_group()
+
+
+def cpu_check_worker(rank, R, port):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=R)
+    ok = True
+    for (T, d, n, E, K) in ((24, 16, 8, 8, 2), (17, 8, 8, 4, 1), (30, 16, 8, 8, 8)):
+        ok &= check(rank, T, d, n, E, K, "cpu", torch.float64, swiglu_experts_loop, 1e-10)
+    dist.destroy_process_group()
+    if not ok:
+        raise SystemExit(1)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--configs", default="bench/configs.json")
+    p.add_argument("--only", default="")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--out", default="")
+    p.add_argument("--cpu-check", action="store_true")
+    args = p.parse_args()
+    if args.cpu_check:
+        import torch.multiprocessing as mp
+        mp.spawn(cpu_check_worker, args=(2, 29511), nprocs=2, join=True)
+        print("cpu check: EP=2 (gloo) matches the one-process layer: out, dx, dw1, dw3, dw2")
+    else:
+        bench(args)
+
+
+if __name__ == "__main__":
+    main()
