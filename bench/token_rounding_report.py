@@ -79,7 +79,7 @@ def plots(merged, training, out_dir):
         Es = sorted({r["E"] for r in training["results"]})
         for a, E in zip(ax, Es):
             for r in training["results"]:
-                if r["E"] != E:
+                if r["E"] != E or r.get("seed", 0) != 0:  # one curve per mode (seed 0)
                     continue
                 L, w = r["train_loss"], 10
                 sm = [sum(L[max(0, i - w + 1):i + 1]) / len(L[max(0, i - w + 1):i + 1]) for i in range(len(L))]

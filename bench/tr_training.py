@@ -8,6 +8,7 @@ Two sparsities: mean tokens per expert = 2 tiles (E = 32) and = 1 tile (E = 64) 
 top-K matches top-K training, stable at >= 2 tiles per expert, possibly worse at 1 tile.
 
     python3 bench/tr_training.py --steps 300 --out bench/results/h200/tr_training.json
+    python3 bench/tr_training.py --experts 64 --modes topk,nr,down --seeds 4   # is a gap real?
 """
 import argparse
 import glob
@@ -121,12 +122,12 @@ def evaluate(model, data, B, S, batches_n=20):
     return tot / batches_n
 
 
-def run(mode, E, args, train, held):
-    torch.manual_seed(0)
+def run(mode, E, args, train, held, seed=0):
+    torch.manual_seed(seed)
     model = LM(args.d, args.n, E, args.K, args.layers, mode).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     gen = torch.Generator(device="cuda")
-    gen.manual_seed(42)
+    gen.manual_seed(42 + seed)
     it = batches(train, args.B, args.S, gen)
     losses = []
     t0 = time.time()
@@ -143,7 +144,7 @@ def run(mode, E, args, train, held):
         opt.step()
         losses.append(loss.item())
     train_s = time.time() - t0
-    res = {"mode": mode, "E": E, "train_loss": losses, "train_s": train_s}
+    res = {"mode": mode, "E": E, "seed": seed, "train_loss": losses, "train_s": train_s}
     model.set_rounding(None)
     res["heldout_topk"] = evaluate(model, held, args.B, args.S)
     if mode not in ("topk", "torch_fp32"):
@@ -167,6 +168,7 @@ def main():
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--experts", default="32,64")
     p.add_argument("--modes", default="topk,nr,up,down,sr,torch_fp32")
+    p.add_argument("--seeds", type=int, default=1, help="runs per (E, mode) with different init and data order")
     p.add_argument("--out", default="")
     args = p.parse_args()
     train, held, nfiles = corpus("cuda")
@@ -176,7 +178,12 @@ def main():
         tpe = args.B * args.S * args.K / E
         print(f"-- E = {E}: {tpe:.0f} tokens per expert per layer = {tpe / 128:.1f} tiles")
         for mode in args.modes.split(","):
-            results.append(run(mode, E, args, train, held))
+            runs = [run(mode, E, args, train, held, seed) for seed in range(args.seeds)]
+            results.extend(runs)
+            if args.seeds > 1:
+                h = torch.tensor([r["heldout_topk"] for r in runs])
+                print(f"E={E:3d} {mode:10s} held-out top-K over {args.seeds} seeds: {h.mean():.4f} +- {h.std():.4f}",
+                      flush=True)
     if args.out:
         try:
             commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
