@@ -133,11 +133,8 @@ Status moe_backward(const MoEBackwardArgs& a, cudaStream_t stream) {
       // Token rounding: padded scores are softmax-over-E values, so every logit gets a gradient.
       // The logits are recomputed (the same cuBLAS call as forward) instead of held: T*E*4 bytes
       // would be the largest saved tensor after H at small n.
-      SMOE_RETURN_IF_ERROR(blas::check(
-          cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, s.E, static_cast<int>(s.T), s.d, &one, a.weights.w_router,
-                       CUDA_R_16BF, s.d, a.x, CUDA_R_16BF, s.d, &zero, w.logits, CUDA_R_32F, s.E,
-                       CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
-          "moe_backward: router GEMM (token rounding recompute)"));
+      SMOE_RETURN_IF_ERROR(blas::router_logits(h, s.T, s.d, s.E, a.weights.w_router, a.x, w.logits,
+                                               "moe_backward: router GEMM (token rounding recompute)"));
       SMOE_RETURN_IF_ERROR(kernels::router_backward_tr(dS, sv.entry_expert, sv.token_offset, sv.topk_expert,
                                                        sv.topk_score, w.logits, s.K, s.E, s.T, w.dlogits,
                                                        stream));

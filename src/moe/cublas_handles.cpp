@@ -39,6 +39,15 @@ Status check(cublasStatus_t s, const char* what) {
   return detail::make_status(StatusCode::kCudaError, detail::concat(what, ": cuBLAS status ", static_cast<int>(s)));
 }
 
+Status router_logits(cublasHandle_t h, int64_t T, int d, int E, const bf16* w_router, const bf16* x, float* logits,
+                     const char* what) {
+  // Column-major C (E x T) = op(W_r as d x E)^T * (x as d x T).
+  const float one = 1.f, zero = 0.f;
+  return check(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, E, static_cast<int>(T), d, &one, w_router, CUDA_R_16BF, d, x,
+                            CUDA_R_16BF, d, &zero, logits, CUDA_R_32F, E, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+               what);
+}
+
 Status prepare(cudaStream_t stream, void* ws, cublasHandle_t* h) {
   cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
   SMOE_CUDA_RETURN(cudaStreamIsCapturing(stream, &cap));

@@ -49,15 +49,10 @@ Status moe_forward(const MoEForwardArgs& a, cudaStream_t stream) {
   profile::mark("begin", stream);
 
   if (!provided && s.T > 0) {
-    // Router logits [T][E] = x W_r^T: column-major C (E x T) = op(W_r as d x E)^T * (x as d x T).
     cublasHandle_t h;
     SMOE_RETURN_IF_ERROR(blas::prepare(stream, w.cublas, &h));
-    const float one = 1.f, zero = 0.f;
-    SMOE_RETURN_IF_ERROR(blas::check(
-        cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, s.E, static_cast<int>(s.T), s.d, &one, a.weights.w_router,
-                     CUDA_R_16BF, s.d, a.x, CUDA_R_16BF, s.d, &zero, w.logits, CUDA_R_32F, s.E,
-                     CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
-        "moe_forward: router GEMM"));
+    SMOE_RETURN_IF_ERROR(
+        blas::router_logits(h, s.T, s.d, s.E, a.weights.w_router, a.x, w.logits, "moe_forward: router GEMM"));
     profile::mark("router_gemm", stream);
   }
 

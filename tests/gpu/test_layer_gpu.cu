@@ -189,14 +189,8 @@ struct GpuLayer {
     EXPECT_EQ(dout.upload(in.dout), cudaSuccess);
   }
 
-  smoe::Status run(bool poison = true) {
-    if (poison) {
-      for (auto* b : {&out, &dx, &dwr, &dw1, &dw2}) EXPECT_EQ(b->poison(), cudaSuccess);
-      EXPECT_EQ(saved.poison(), cudaSuccess);
-      EXPECT_EQ(dscores.poison(), cudaSuccess);
-    }
-    smoe::Status st = smoe::reset_device_status(status.get(), 0);
-    if (!st.ok()) return st;
+  // The forward's arguments over this layer's buffers (every test builds its calls from these).
+  smoe::MoEForwardArgs forward_args() const {
     smoe::MoEForwardArgs f;
     f.shape = s;
     f.x = x.get();
@@ -210,6 +204,18 @@ struct GpuLayer {
     f.routed_expert = routed_expert.get();
     f.routed_scores = routed_scores.get();
     f.rounding_seed = rounding_seed;
+    return f;
+  }
+
+  smoe::Status run(bool poison = true) {
+    if (poison) {
+      for (auto* b : {&out, &dx, &dwr, &dw1, &dw2}) EXPECT_EQ(b->poison(), cudaSuccess);
+      EXPECT_EQ(saved.poison(), cudaSuccess);
+      EXPECT_EQ(dscores.poison(), cudaSuccess);
+    }
+    smoe::Status st = smoe::reset_device_status(status.get(), 0);
+    if (!st.ok()) return st;
+    const smoe::MoEForwardArgs f = forward_args();
     st = smoe::moe_forward(f, 0);
     if (!st.ok()) return st;
     smoe::MoEBackwardArgs b;
@@ -607,17 +613,8 @@ TEST(GpuLayer, UnsupportedShapeRejectedBeforeLaunch) {
   const Inputs in = make_inputs(s, fresh_seed());
   GpuLayer g(in);
   CUDA_OK(g.out.poison());
-  smoe::MoEForwardArgs f;
-  f.shape = s;
+  smoe::MoEForwardArgs f = g.forward_args();
   f.shape.d = 72;  // not a multiple of 64
-  f.x = g.x.get();
-  f.weights = {g.wr.get(), g.w1.get(), g.w2.get()};
-  f.out = g.out.get();
-  f.saved = g.saved.get();
-  f.saved_bytes = g.saved.bytes();
-  f.workspace = g.wsf.get();
-  f.workspace_bytes = g.wsf.bytes();
-  f.status = g.status.get();
   smoe::Status st = smoe::moe_forward(f, 0);
   EXPECT_EQ(st.code, smoe::StatusCode::kInvalidArgument);
   EXPECT_NE(st.message.find("d = 72"), std::string::npos) << st.message;
@@ -728,16 +725,7 @@ TEST(GpuLayer, GraphCaptureNeedsInitThenReplaysBitwise) {
   std::thread worker([&]() {
     cudaStream_t st;
     ASSERT_EQ(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), cudaSuccess);
-    smoe::MoEForwardArgs f;
-    f.shape = s;
-    f.x = g.x.get();
-    f.weights = {g.wr.get(), g.w1.get(), g.w2.get()};
-    f.out = g.out.get();
-    f.saved = g.saved.get();
-    f.saved_bytes = g.saved.bytes();
-    f.workspace = g.wsf.get();
-    f.workspace_bytes = g.wsf.bytes();
-    f.status = g.status.get();
+    const smoe::MoEForwardArgs f = g.forward_args();
     ASSERT_EQ(g.out.poison(), cudaSuccess);
     cudaGraph_t graph = nullptr;
     ASSERT_EQ(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal), cudaSuccess);
