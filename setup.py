@@ -9,6 +9,7 @@ Needs: the CUTLASS headers (scripts/setup.sh puts them in .deps/), nvcc, cmake, 
 import os
 import shutil
 import subprocess
+import sys
 
 from setuptools import setup
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension
@@ -36,8 +37,9 @@ class BuildWithCMake(BuildExtension):
         subprocess.check_call([
             "cmake", "-S", ROOT, "-B", BUILD, "-G", "Ninja", "-Wno-dev", "-DCMAKE_BUILD_TYPE=Release",
             f"-DCMAKE_CUDA_COMPILER={nvcc}", "-DSMOE_CUDART=Shared", "-DSMOE_BUILD_TESTS=OFF",
-            f"-DSMOE_CUTLASS_DIR={cutlass_dir()}"])
-        subprocess.check_call(["cmake", "--build", BUILD, "--target", "smoe", "-j", str(os.cpu_count() or 2)])
+            f"-DSMOE_CUTLASS_DIR={cutlass_dir()}", f"-DPython3_EXECUTABLE={sys.executable}"])
+        targets = ["smoe"] + (["smoe_ep"] if NCCL else [])
+        subprocess.check_call(["cmake", "--build", BUILD, "--target", *targets, "-j", str(os.cpu_count() or 2)])
         super().run()
 
 
@@ -51,12 +53,43 @@ ext = CppExtension(
     extra_compile_args=["-O2", "-std=c++17"],
 )
 
+def nccl_dirs():
+    """(include, lib) of the NCCL torch loads (the nvidia-nccl-cu13 wheel), else the toolkit's; the
+    same search as CMakeLists.txt, so the EP library and this binding see one NCCL. None: no EP."""
+    import importlib.util
+    spec = importlib.util.find_spec("nvidia.nccl")
+    cands = [list(spec.submodule_search_locations)[0]] if spec and spec.submodule_search_locations else []
+    cands.append(CUDA_HOME)
+    for root in cands:
+        inc = os.path.join(root, "include")
+        for lib in ("lib", "lib64"):
+            so = os.path.join(root, lib, "libnccl.so.2")
+            if os.path.exists(os.path.join(inc, "nccl_device.h")) and os.path.exists(so):
+                return inc, os.path.dirname(so)
+    return None
+
+
+NCCL = None if os.environ.get("SMOE_WITH_EP", "1") == "0" else nccl_dirs()
+exts = [ext]
+if NCCL:
+    exts.append(CppExtension(
+        "smoe_torch._ep",
+        ["python/smoe_torch/csrc/ep_ops.cpp"],
+        include_dirs=[os.path.join(ROOT, "include"), NCCL[0], os.path.join(CUDA_HOME, "include")],
+        extra_objects=[os.path.join(BUILD, "libsmoe_ep.a"), os.path.join(BUILD, "libsmoe.a")],
+        library_dirs=[os.path.join(CUDA_HOME, "lib64"), os.path.join(CUDA_HOME, "lib")],
+        libraries=["cublas", "cudart"],
+        # The wheel has only the versioned libnccl.so.2 (the one torch has already loaded).
+        extra_link_args=[f"-L{NCCL[1]}", "-l:libnccl.so.2", f"-Wl,-rpath,{NCCL[1]}"],
+        extra_compile_args=["-O2", "-std=c++17"],
+    ))
+
 setup(
     name="smoe-torch",
     version="0.1.0",
     description="Hopper MoE training kernels (SonicMoE-style) for PyTorch",
     packages=["smoe_torch"],
     package_dir={"": "python"},
-    ext_modules=[ext],
+    ext_modules=exts,
     cmdclass={"build_ext": BuildWithCMake},
 )

@@ -6,6 +6,9 @@
                    the reverse path, score-weighted sum over k.
   ours_local_a2a   the same communication, with the local experts on our single-GPU kernels
                    (smoe_torch.moe_routed: every received row is a "token" routed to one expert).
+  ours_ep          smoe's EP layer (smoe_torch.ep.ep_moe): the same router in torch, then dispatch by
+                   NVLink stores into symmetric windows (NCCL device API), the local experts on our
+                   kernels over the received tokens, combine; no host sync, no permutation copy.
 
 Both are differentiable (torch.distributed.nn.functional.all_to_all_single), so forward and backward
 are timed, and both are checked against the one-process layer on all ranks' tokens.
@@ -130,6 +133,44 @@ def check(rank, T, d, n, E, K, device, dtype, experts_fn, tol):
     return not bad
 
 
+def interleave(w1, w3):
+    """torchtitan's gate [E,n,d] and up [E,n,d] -> smoe's [E,2n,d] (row 2j gate j, 2j+1 up j)."""
+    return torch.stack((w1, w3), dim=2).reshape(w1.shape[0], 2 * w1.shape[1], w1.shape[2])
+
+
+def ours_ep_layer(group, x, wr, w1i, w2, K):
+    from smoe_torch import ep as sep
+    idx, s = route(x, wr, K)
+    return sep.ep_moe(group, x, idx, s, w1i, w2)
+
+
+def check_ours_ep(group, rank, T, d, n, E, K, tol):
+    """ours_ep's output and gradients against the one-process layer on all ranks' tokens."""
+    R = dist.get_world_size()
+    El = E // R
+    wr, w1, w3, w2 = weights(E, d, n, 1, "cuda", torch.bfloat16)
+    g = torch.Generator(device="cpu").manual_seed(100)
+    x_all = torch.randn(R * T, d, generator=g).to(device="cuda", dtype=torch.bfloat16)
+    dout_all = torch.randn(R * T, d, generator=g).to(device="cuda", dtype=torch.bfloat16)
+    sl = slice(rank * El, (rank + 1) * El)
+    x = x_all[rank * T:(rank + 1) * T].clone().requires_grad_(True)
+    w1i = interleave(w1[sl], w3[sl]).clone().requires_grad_(True)
+    w2l = w2[sl].clone().requires_grad_(True)
+    out = ours_ep_layer(group, x, wr, w1i, w2l, K)
+    out.backward(dout_all[rank * T:(rank + 1) * T])
+    xr = x_all.clone().float().requires_grad_(True)
+    rw = [w.clone().float().requires_grad_(True) for w in (w1, w3, w2)]
+    ref = one_gpu_reference(xr, wr, *rw, K)
+    ref.backward(dout_all.float())
+    rel = lambda a, b: ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()  # noqa: E731
+    dg = w1i.grad.view(El, n, 2, d)
+    errs = {"out": rel(out, ref[rank * T:(rank + 1) * T]), "dx": rel(x.grad, xr.grad[rank * T:(rank + 1) * T]),
+            "dw1": rel(dg[:, :, 0], rw[0].grad[sl]), "dw3": rel(dg[:, :, 1], rw[1].grad[sl]),
+            "dw2": rel(w2l.grad, rw[2].grad[sl])}
+    print(f"rank {rank} ours_ep: " + " ".join(f"{k} {v:.2e}" for k, v in errs.items()), flush=True)
+    return all(v < tol for v in errs.values())
+
+
 def timed(fn, warmup, reps):
     for _ in range(warmup):
         fn()
@@ -174,15 +215,32 @@ def bench(args):
         lw = [w[rank * El:(rank + 1) * El].clone().requires_grad_(True) for w in (w1, w3, w2)]
         x = torch.randn(T, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         dout = torch.randn(T, d, device="cuda", dtype=torch.bfloat16)
-        for name, fn in systems.items():
+        runs = {name: (lambda fn=fn: ep_moe(x, wr, *lw, K, E, None, fn)) for name, fn in systems.items()}
+        oks = {name: ok for name in systems}
+        group = None
+        if "ours_ep" in args.systems:
+            from smoe_torch import ep as sep
             try:
-                f_ms = timed(lambda: ep_moe(x, wr, *lw, K, E, None, fn), args.warmup, args.reps)
-                fb_ms = timed(lambda: ep_moe(x, wr, *lw, K, E, None, fn).backward(dout), args.warmup, args.reps)
+                group = sep.EpGroup(max_tokens=max(T, 256), d=d, n=n, num_experts=E, top_k=K)
+                oks["ours_ep"] = check_ours_ep(group, rank, min(T, 256), d, n, E, K, 2e-2)
+                w1i = interleave(lw[0].detach(), lw[1].detach()).requires_grad_(True)   # once, outside the timing
+                w2l = lw[2].detach().clone().requires_grad_(True)
+                runs["ours_ep"] = lambda: ours_ep_layer(group, x, wr, w1i, w2l, K)
+            except Exception as ex:
+                entry["systems"]["ours_ep"] = {"error": str(ex)[:300]}
+        for name, run in runs.items():
+            if name not in args.systems:
+                continue
+            try:
+                f_ms = timed(run, args.warmup, args.reps)
+                fb_ms = timed(lambda: run().backward(dout), args.warmup, args.reps)
                 flops = T * K * d * n   # per rank
                 entry["systems"][name] = {"fwd_ms": f_ms, "bwd_ms": fb_ms - f_ms, "fwd_tflops": 6 * flops / f_ms / 1e9,
-                                          "bwd_tflops": 12 * flops / (fb_ms - f_ms) / 1e9, "correct": ok}
+                                          "bwd_tflops": 12 * flops / (fb_ms - f_ms) / 1e9, "correct": oks[name]}
             except Exception as ex:  # a system that cannot run keeps an entry with the reason
                 entry["systems"][name] = {"error": str(ex)[:300]}
+        if group is not None:
+            group.close()
         results.append(entry)
         if rank == 0:
             print(json.dumps(entry), flush=True)
@@ -210,6 +268,7 @@ def main():
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--out", default="")
+    p.add_argument("--systems", default="torchtitan_a2a,ours_local_a2a,ours_ep")
     p.add_argument("--cpu-check", action="store_true")
     args = p.parse_args()
     if args.cpu_check:

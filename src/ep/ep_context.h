@@ -1,0 +1,79 @@
+// The EP context (one per rank) and the kernels of the EP data path (ep_kernels.cu).
+#pragma once
+
+#include <nccl.h>
+#include <nccl_device.h>
+
+#include "smoe/ep.h"
+
+namespace smoe {
+
+// Offsets of the regions of the symmetric window; identical on every rank (same EpConfig), so a
+// peer's region is ncclGetLsaPointer(window, offset, peer).
+struct EpWindowLayout {
+  size_t counts = 0;      // [R][R] int32: row s = tokens source s sends to each rank
+  size_t recv_x = 0;      // [R*Tmax][d] bf16: received x (forward and backward)
+  size_t recv_dy = 0;     // [R*Tmax][d] bf16: received dout (backward)
+  size_t meta_ids = 0;    // [R*Tmax][Kl] int32: local expert ids of a received token, -1 = none
+  size_t meta_scores = 0; // [R*Tmax][Kl] fp32
+  size_t comb = 0;        // [R][Tmax][d] bf16: partial rows returned by rank q (row q)
+  size_t comb_ds = 0;     // [R][Tmax][Kl] fp32: dL/dscores returned by rank q
+  size_t bytes = 0;
+};
+
+struct EpContext {
+  ncclComm_t comm = nullptr;
+  ncclDevComm dev_comm{};
+  ncclWindow_t window = nullptr;
+  void* window_base = nullptr;  // this rank's window (ncclMemAlloc)
+  EpConfig config;
+  int rank = 0, world = 0;
+  int experts_per_rank = 0, local_slots = 0;
+  int64_t recv_capacity = 0;
+  int device = 0;
+  EpWindowLayout layout;
+  MoEShape local_shape;
+};
+
+namespace ep {
+
+// Kernel arguments shared by the launches (device pointers into this rank's memory, plus the
+// window for the peers' regions).
+struct EpKernelArgs {
+  ncclDevComm dev_comm;
+  ncclWindow_t window;
+  EpWindowLayout lay;
+  char* local;          // this rank's window base
+  int rank, world;
+  int64_t T, Tmax;
+  int d, K, E, El, Kl;  // El experts per rank, Kl slots per received token
+};
+
+// Layout: send_pos[q][t] = position of token t among the tokens this rank sends to q (-1: none),
+// my_counts[q]; copies the ids into saved_ids; flags ids outside [-1, E).
+cudaError_t launch_layout(const EpKernelArgs& a, const int32_t* expert, int32_t* send_pos,
+                          int32_t* my_counts, int32_t* saved_ids, DeviceStatus* status,
+                          cudaStream_t stream);
+// Count exchange: barrier, my_counts -> row `rank` of every peer's counts region, barrier; then
+// the full [R][R] matrix is copied to all_counts (caller memory, kept for backward).
+cudaError_t launch_exchange(const EpKernelArgs& a, const int32_t* my_counts, int32_t* all_counts,
+                            cudaStream_t stream);
+// Dispatch: rows x (and dy, when not null) of every sent token to the peer's receive slots;
+// with x only (forward) also the local ids / scores of the slot, and -1 ids in this rank's unused
+// slots. start_barrier: wait for the peers to have entered (backward; the forward's exchange did).
+cudaError_t launch_dispatch(const EpKernelArgs& a, const int32_t* all_counts,
+                            const int32_t* send_pos, const bf16* x, const bf16* dy,
+                            const int32_t* expert, const float* scores, bool start_barrier,
+                            int blocks, cudaStream_t stream);
+// Combine push: rows of y (local layer output, [R*Tmax][d], slot order) received from source
+// s != rank go back to s's comb region row `rank`; ds ([R*Tmax][Kl]) likewise when not null.
+cudaError_t launch_combine(const EpKernelArgs& a, const int32_t* all_counts, const bf16* y,
+                           const float* ds, int blocks, cudaStream_t stream);
+// Combine reduce (local): out[t] = sum over ranks q ascending of q's partial row (this rank's
+// own from y); dscores[t][k] from the owner's returned values (when not null).
+cudaError_t launch_reduce(const EpKernelArgs& a, const int32_t* all_counts,
+                          const int32_t* send_pos, const bf16* y, bf16* out, const float* ds,
+                          const int32_t* ids, float* dscores, cudaStream_t stream);
+
+}  // namespace ep
+}  // namespace smoe

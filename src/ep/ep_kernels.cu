@@ -1,0 +1,311 @@
+// The EP data path: layout, count exchange, dispatch, combine push and combine reduce.
+//
+// Synchronisation (NCCL LSA barriers; block b of every rank meets block b of the others):
+//   * exchange starts with a barrier: every peer has entered this call, so it has finished
+//     everything it enqueued before (its previous call's reads of the receive and combine
+//     regions included); it ends with one so that all counts are visible;
+//   * dispatch and combine end with a barrier per block (acq_rel): once the kernel has finished on
+//     this rank, every peer block has finished its stores into this rank's window, and the next
+//     kernel on the stream reads them;
+//   * the backward's dispatch starts with a barrier (it has no exchange before it).
+// The grid of dispatch / combine is the same on every rank (EpConfig::comm_blocks), or block b
+// would wait for a peer block that never runs.
+#include <cub/block/block_scan.cuh>
+#include <cuda/atomic>
+
+#include "ep/ep_context.h"
+
+namespace smoe {
+namespace ep {
+namespace {
+
+constexpr int kMaxRanks = 8;
+constexpr int kCommThreads = 512;
+
+__device__ __forceinline__ void add_bf16x8(float (&acc)[8], uint4 v) {
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    float2 f = __bfloat1622float2(h[i]);
+    acc[2 * i] += f.x;
+    acc[2 * i + 1] += f.y;
+  }
+}
+
+__device__ __forceinline__ uint4 pack_bf16x8(const float (&acc)[8]) {
+  uint4 v;
+  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&v);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
+  return v;
+}
+
+// One block per destination rank q: a block-wide scan over the tokens in order, so a token's
+// position among those sent to q depends only on the routing. Block 0 also sanitises the ids
+// (outside [-1, E) or repeated in the token: dropped, flagged), the copy every later kernel reads.
+template <int kThreads>
+__global__ void __launch_bounds__(kThreads) layout_kernel(EpKernelArgs a, const int32_t* expert,
+                                                          int32_t* send_pos, int32_t* my_counts,
+                                                          int32_t* ids, DeviceStatus* status) {
+  using Scan = cub::BlockScan<int, kThreads>;
+  __shared__ typename Scan::TempStorage scan_tmp;
+  __shared__ int carry;
+  const int q = blockIdx.x;
+  if (threadIdx.x == 0) carry = 0;
+  __syncthreads();
+  uint32_t bad = 0;
+  for (int64_t t0 = 0; t0 < a.T; t0 += kThreads) {
+    const int64_t t = t0 + threadIdx.x;
+    int flag = 0;
+    if (t < a.T) {
+      const int32_t* row = expert + t * a.K;
+      for (int k = 0; k < a.K; ++k) {
+        int e = row[k];
+        if (e < -1 || e >= a.E) {
+          bad |= kStatusInvalidExpertId;
+          e = -1;
+        } else if (e >= 0) {
+          for (int j = 0; j < k; ++j)
+            if (row[j] == e) {
+              bad |= kStatusDuplicateExpert;
+              e = -1;
+              break;
+            }
+        }
+        if (e >= 0 && e / a.El == q) flag = 1;
+        if (q == 0) ids[t * a.K + k] = e;
+      }
+    }
+    int prefix, total;
+    Scan(scan_tmp).ExclusiveSum(flag, prefix, total);
+    if (t < a.T) send_pos[q * a.T + t] = flag ? carry + prefix : -1;
+    __syncthreads();
+    if (threadIdx.x == 0) carry += total;
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) my_counts[q] = carry;
+  if (q == 0 && bad != 0 && status != nullptr) atomicOr(&status->flags, bad);
+}
+
+__global__ void exchange_kernel(EpKernelArgs a, const int32_t* my_counts, int32_t* all_counts) {
+  ncclLsaBarrierSession<ncclCoopCta> bar(ncclCoopCta(), a.dev_comm, ncclTeamTagLsa(), 0);
+  bar.sync(ncclCoopCta(), cuda::memory_order_relaxed);
+  const int R = a.world;
+  for (int i = threadIdx.x; i < R * R; i += blockDim.x) {
+    const int p = i / R, q = i % R;
+    int32_t* peer_counts = static_cast<int32_t*>(ncclGetLsaPointer(a.window, a.lay.counts, p));
+    peer_counts[a.rank * R + q] = my_counts[q];
+  }
+  bar.sync(ncclCoopCta(), cuda::memory_order_acq_rel);
+  const int32_t* mine = reinterpret_cast<const int32_t*>(a.local + a.lay.counts);
+  for (int i = threadIdx.x; i < R * R; i += blockDim.x) all_counts[i] = mine[i];
+}
+
+// Warp per token: the token's row goes once to every rank that holds one of its experts.
+__global__ void __launch_bounds__(kCommThreads) dispatch_kernel(
+    EpKernelArgs a, const int32_t* all_counts, const int32_t* send_pos, const bf16* x,
+    const bf16* dy, const int32_t* ids, const float* scores, bool start_barrier) {
+  ncclLsaBarrierSession<ncclCoopCta> bar(ncclCoopCta(), a.dev_comm, ncclTeamTagLsa(), blockIdx.x);
+  if (start_barrier) bar.sync(ncclCoopCta(), cuda::memory_order_relaxed);
+  const int R = a.world;
+  __shared__ int64_t base[kMaxRanks];
+  __shared__ char* peer[kMaxRanks];
+  __shared__ int64_t recv_total;
+  if (threadIdx.x < R) {
+    const int q = threadIdx.x;
+    int64_t b = 0;
+    for (int s = 0; s < a.rank; ++s) b += all_counts[s * R + q];
+    base[q] = b;
+    peer[q] = static_cast<char*>(ncclGetLsaPointer(a.window, 0, q));
+  }
+  if (threadIdx.x == 0) {
+    int64_t total = 0;
+    for (int s = 0; s < R; ++s) total += all_counts[s * R + a.rank];
+    recv_total = total;
+  }
+  __syncthreads();
+  const int lane = threadIdx.x & 31;
+  const int64_t warp = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const int64_t nwarps = (int64_t(gridDim.x) * blockDim.x) >> 5;
+  const int vpr = a.d / 8;  // 16-byte vectors per row
+  for (int64_t t = warp; t < a.T; t += nwarps) {
+    const uint4* xs = reinterpret_cast<const uint4*>(x) + t * vpr;
+    const uint4* ys = dy ? reinterpret_cast<const uint4*>(dy) + t * vpr : nullptr;
+    for (int q = 0; q < R; ++q) {
+      const int pos = send_pos[q * a.T + t];
+      if (pos < 0) continue;
+      const int64_t slot = base[q] + pos;
+      uint4* xd = reinterpret_cast<uint4*>(peer[q] + a.lay.recv_x) + slot * vpr;
+      for (int v = lane; v < vpr; v += 32) xd[v] = xs[v];
+      if (ys) {
+        uint4* yd = reinterpret_cast<uint4*>(peer[q] + a.lay.recv_dy) + slot * vpr;
+        for (int v = lane; v < vpr; v += 32) yd[v] = ys[v];
+      } else {
+        // Slot j of the received token = the j-th of its entries (in k order) on rank q.
+        int32_t* id_d = reinterpret_cast<int32_t*>(peer[q] + a.lay.meta_ids) + slot * a.Kl;
+        float* sc_d = reinterpret_cast<float*>(peer[q] + a.lay.meta_scores) + slot * a.Kl;
+        for (int j = lane; j < a.Kl; j += 32) {
+          int id = -1, cnt = 0;
+          float sc = 0.f;
+          for (int k = 0; k < a.K; ++k) {
+            const int e = ids[t * a.K + k];
+            if (e >= 0 && e / a.El == q) {
+              if (cnt == j) {
+                id = e % a.El;
+                sc = scores[t * a.K + k];
+              }
+              ++cnt;
+            }
+          }
+          id_d[j] = id;
+          sc_d[j] = sc;
+        }
+      }
+    }
+  }
+  if (!dy) {  // forward: this rank's slots past the received tokens route nowhere
+    int32_t* my_ids = reinterpret_cast<int32_t*>(a.local + a.lay.meta_ids);
+    float* my_sc = reinterpret_cast<float*>(a.local + a.lay.meta_scores);
+    const int64_t end = int64_t(R) * a.Tmax * a.Kl;
+    for (int64_t i = recv_total * a.Kl + int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < end;
+         i += int64_t(gridDim.x) * blockDim.x) {
+      my_ids[i] = -1;
+      my_sc[i] = 0.f;
+    }
+  }
+  bar.sync(ncclCoopCta(), cuda::memory_order_acq_rel);
+}
+
+// Warp per returned row: the rows this rank received from source s (contiguous slots) go back to
+// s's combine region, row block `rank`, in the order s sent them.
+__global__ void __launch_bounds__(kCommThreads) combine_kernel(EpKernelArgs a,
+                                                               const int32_t* all_counts,
+                                                               const bf16* y, const float* ds) {
+  ncclLsaBarrierSession<ncclCoopCta> bar(ncclCoopCta(), a.dev_comm, ncclTeamTagLsa(), blockIdx.x);
+  const int R = a.world;
+  const int lane = threadIdx.x & 31;
+  const int64_t warp = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const int64_t nwarps = (int64_t(gridDim.x) * blockDim.x) >> 5;
+  const int vpr = a.d / 8;
+  int64_t base = 0;
+  for (int s = 0; s < R; ++s) {
+    const int64_t cnt = all_counts[s * R + a.rank];
+    if (s != a.rank) {
+      char* p = static_cast<char*>(ncclGetLsaPointer(a.window, 0, s));
+      uint4* dst = reinterpret_cast<uint4*>(p + a.lay.comb) + int64_t(a.rank) * a.Tmax * vpr;
+      const uint4* src = reinterpret_cast<const uint4*>(y) + base * vpr;
+      for (int64_t i = warp; i < cnt; i += nwarps)
+        for (int v = lane; v < vpr; v += 32) dst[i * vpr + v] = src[i * vpr + v];
+      if (ds) {
+        float* dd = reinterpret_cast<float*>(p + a.lay.comb_ds) + int64_t(a.rank) * a.Tmax * a.Kl;
+        const float* sd = ds + base * a.Kl;
+        for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < cnt * a.Kl;
+             i += int64_t(gridDim.x) * blockDim.x)
+          dd[i] = sd[i];
+      }
+    }
+    base += cnt;
+  }
+  bar.sync(ncclCoopCta(), cuda::memory_order_acq_rel);
+}
+
+// Warp per token: fp32 sum of the partial rows in ascending rank order (fixed, so deterministic).
+__global__ void __launch_bounds__(256) reduce_kernel(EpKernelArgs a, const int32_t* all_counts,
+                                                     const int32_t* send_pos, const bf16* y,
+                                                     bf16* out, const float* ds,
+                                                     const int32_t* ids, float* dscores) {
+  const int R = a.world;
+  int64_t base_self = 0;
+  for (int s = 0; s < a.rank; ++s) base_self += all_counts[s * R + a.rank];
+  const int lane = threadIdx.x & 31;
+  const int64_t warp = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const int64_t nwarps = (int64_t(gridDim.x) * blockDim.x) >> 5;
+  const int vpr = a.d / 8;
+  const uint4* comb = reinterpret_cast<const uint4*>(a.local + a.lay.comb);
+  const float* comb_ds = reinterpret_cast<const float*>(a.local + a.lay.comb_ds);
+  for (int64_t t = warp; t < a.T; t += nwarps) {
+    const uint4* src[kMaxRanks];
+    int pos[kMaxRanks];
+#pragma unroll
+    for (int q = 0; q < kMaxRanks; ++q) {
+      pos[q] = q < R ? send_pos[q * a.T + t] : -1;
+      src[q] = pos[q] < 0 ? nullptr
+               : q == a.rank
+                   ? reinterpret_cast<const uint4*>(y) + (base_self + pos[q]) * vpr
+                   : comb + (int64_t(q) * a.Tmax + pos[q]) * vpr;
+    }
+    uint4* dst = reinterpret_cast<uint4*>(out) + t * vpr;
+    for (int v = lane; v < vpr; v += 32) {
+      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int q = 0; q < kMaxRanks; ++q)
+        if (src[q]) add_bf16x8(acc, src[q][v]);
+      dst[v] = pack_bf16x8(acc);
+    }
+    if (dscores) {
+      for (int k = lane; k < a.K; k += 32) {
+        const int e = ids[t * a.K + k];
+        float val = 0.f;
+        if (e >= 0) {
+          const int q = e / a.El;
+          int j = 0;
+          for (int kk = 0; kk < k; ++kk) {
+            const int f = ids[t * a.K + kk];
+            if (f >= 0 && f / a.El == q) ++j;
+          }
+          const int p = send_pos[q * a.T + t];
+          val = q == a.rank ? ds[(base_self + p) * a.Kl + j]
+                            : comb_ds[(int64_t(q) * a.Tmax + p) * a.Kl + j];
+        }
+        dscores[t * a.K + k] = val;
+      }
+    }
+  }
+}
+
+int token_blocks(int64_t T, int warps_per_block) {
+  const int64_t b = (T + warps_per_block - 1) / warps_per_block;
+  return int(b < 1 ? 1 : (b > 1024 ? 1024 : b));
+}
+
+}  // namespace
+
+cudaError_t launch_layout(const EpKernelArgs& a, const int32_t* expert, int32_t* send_pos,
+                          int32_t* my_counts, int32_t* saved_ids, DeviceStatus* status,
+                          cudaStream_t stream) {
+  layout_kernel<512><<<a.world, 512, 0, stream>>>(a, expert, send_pos, my_counts, saved_ids,
+                                                  status);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_exchange(const EpKernelArgs& a, const int32_t* my_counts, int32_t* all_counts,
+                            cudaStream_t stream) {
+  exchange_kernel<<<1, 64, 0, stream>>>(a, my_counts, all_counts);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_dispatch(const EpKernelArgs& a, const int32_t* all_counts,
+                            const int32_t* send_pos, const bf16* x, const bf16* dy,
+                            const int32_t* expert, const float* scores, bool start_barrier,
+                            int blocks, cudaStream_t stream) {
+  dispatch_kernel<<<blocks, kCommThreads, 0, stream>>>(a, all_counts, send_pos, x, dy, expert,
+                                                       scores, start_barrier);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_combine(const EpKernelArgs& a, const int32_t* all_counts, const bf16* y,
+                           const float* ds, int blocks, cudaStream_t stream) {
+  combine_kernel<<<blocks, kCommThreads, 0, stream>>>(a, all_counts, y, ds);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_reduce(const EpKernelArgs& a, const int32_t* all_counts,
+                          const int32_t* send_pos, const bf16* y, bf16* out, const float* ds,
+                          const int32_t* ids, float* dscores, cudaStream_t stream) {
+  reduce_kernel<<<token_blocks(a.T, 8), 256, 0, stream>>>(a, all_counts, send_pos, y, out, ds, ids,
+                                                          dscores);
+  return cudaGetLastError();
+}
+
+}  // namespace ep
+}  // namespace smoe
