@@ -174,6 +174,9 @@ Status ep_create(ncclComm_t comm, const EpConfig& config, EpContext** out) {
 Status ep_destroy(EpContext* c) {
   if (c == nullptr) return Status{};
   Status first;
+  // Deregistering a window that queued kernels still use is a CUDA error inside NCCL (seen on the
+  // H200 when a process closed its group right after backward): finish the device's work first.
+  first = detail::cuda_status(cudaDeviceSynchronize(), "ep_destroy: cudaDeviceSynchronize");
   auto keep = [&](Status s) {
     if (first.ok() && !s.ok()) first = s;
   };
