@@ -204,9 +204,7 @@ def bench(args):
     systems = {"torchtitan_a2a": swiglu_experts_grouped_mm, "ours_local_a2a": ours_fn}
     configs = json.load(open(args.configs))
     results = []
-    for c in configs:
-        if args.only and c["name"] not in args.only.split(","):
-            continue
+    def run_config(c):
         T, d, n, E, K = c["T"] // R, c["d"], c["n"], c["E"], c["K"]
         entry = {"config": dict(c, ep=R), "systems": {}}
         ok = all(check(rank, min(T, 256), d, n, E, K, "cuda", torch.bfloat16, fn, 2e-2) for fn in systems.values())
@@ -241,12 +239,28 @@ def bench(args):
                 entry["systems"][name] = {"error": str(ex)[:300]}
         if group is not None:
             group.close()
+        return entry
+
+    def save():
+        if rank == 0 and args.out:
+            json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "world_size": R,
+                       "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+                       "commit": os.environ.get("SMOE_COMMIT", "unknown"), "results": results}, open(args.out, "w"), indent=1)
+
+    for c in configs:
+        if args.only and c["name"] not in args.only.split(","):
+            continue
+        try:
+            entry = run_config(c)
+        except Exception as ex:   # one config that cannot run (memory, a bug) keeps an entry and the run goes on
+            import traceback
+            traceback.print_exc()
+            entry = {"config": dict(c, ep=R), "error": repr(ex)[:300]}
+            torch.cuda.empty_cache()
         results.append(entry)
         if rank == 0:
-            print(json.dumps(entry), flush=True)
-    if rank == 0 and args.out:
-        json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "world_size": R,
-                   "commit": os.environ.get("SMOE_COMMIT", "unknown"), "results": results}, open(args.out, "w"), indent=1)
+            print("RESULT " + json.dumps(entry), flush=True)
+        save()
     dist.destroy_process_group()
 
 
