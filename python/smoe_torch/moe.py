@@ -164,6 +164,12 @@ class MoE(nn.Module):
         num_shared_experts: > 0 adds `shared_experts` (SharedExperts, hidden hidden_dim * count),
             applied to every token and added to the routed output.
         bf16_logits: take top-K of bf16 logits (torchtitan / SonicMoE under autocast); routes in torch.
+        ep_group: a smoe_torch.ep.EpGroup (expert parallelism over the GPUs of one node): the module
+            then holds only this rank's num_experts / R experts (`experts`, global expert
+            e = rank * E/R + local index), routes in torch (replicated router) and runs the experts
+            through smoe_torch.ep.ep_moe. Every rank calls forward/backward in the same order. The
+            router's gradient is per rank: all-reduce it over the group (DDP / FSDP does); the experts'
+            gradients are local and must not be averaged over the EP group.
         aux_loss_coef: if > 0, `self.aux_loss` holds coef * E * sum_e f_e P_e after each forward
             (f_e: fraction of routed rows at expert e, P_e: mean router probability), the
             Switch-Transformer load-balancing loss. With torch routing f comes from the routing
@@ -174,12 +180,19 @@ class MoE(nn.Module):
     def __init__(self, dim, hidden_dim, num_experts, top_k, aux_loss_coef=0.0, score_func="softmax",
                  route_norm=True, route_scale=1.0, num_expert_groups=None, num_limited_groups=None,
                  load_balance_coeff=None, token_rounding=None, bf16_logits=False, rounding_seed=0,
-                 num_shared_experts=0):
+                 num_shared_experts=0, ep_group=None):
         super().__init__()
+        self.ep_group = ep_group
+        if ep_group is not None:
+            if (ep_group.E, ep_group.d, ep_group.n, ep_group.K) != (num_experts, dim, hidden_dim, top_k):
+                raise ValueError(f"ep_group was created for E, d, n, K = {(ep_group.E, ep_group.d, ep_group.n, ep_group.K)}, "
+                                 f"the module has {(num_experts, dim, hidden_dim, top_k)}")
+            if token_rounding is not None:
+                raise ValueError("token_rounding is not available with ep_group (the EP layer takes the router's choice)")
         self.dim, self.hidden_dim, self.num_experts, self.top_k = dim, hidden_dim, num_experts, top_k
         self.router = TokenChoiceTopKRouter(dim, num_experts, top_k, score_func, route_norm, route_scale,
                                             num_expert_groups, num_limited_groups)
-        self.experts = GroupedExperts(dim, hidden_dim, num_experts)
+        self.experts = GroupedExperts(dim, hidden_dim, num_experts if ep_group is None else ep_group.experts_per_rank)
         self.aux_loss_coef = aux_loss_coef
         self.aux_loss = None
         if token_rounding is not None and (not self.router.fused() or bf16_logits):
@@ -217,10 +230,15 @@ class MoE(nn.Module):
         x2 = x.reshape(-1, self.dim).to(torch.bfloat16).contiguous()
         w1 = self.experts.interleaved_w1(torch.bfloat16)
         w2 = self.experts.w2.to(torch.bfloat16)
-        torch_routing = not self.router.fused() or self.bf16_logits or self.expert_bias is not None
+        torch_routing = (not self.router.fused() or self.bf16_logits or self.expert_bias is not None
+                         or self.ep_group is not None)
         if torch_routing:
             idx, sc, probs = self.router(x2, self.expert_bias, self.bf16_logits)
-            out = moe_routed(x2, w1, w2, idx, sc, validate=False)
+            if self.ep_group is not None:
+                from .ep import ep_moe
+                out = ep_moe(self.ep_group, x2, idx, sc, w1, w2)
+            else:
+                out = moe_routed(x2, w1, w2, idx, sc, validate=False)
             if self.expert_bias is not None or self.aux_loss_coef > 0:
                 counts = torch.bincount(idx.reshape(-1).long(), minlength=self.num_experts).float()
                 if self.expert_bias is not None:
