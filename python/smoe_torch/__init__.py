@@ -12,6 +12,8 @@ Ops (torch.ops.smoe, CUDA, bf16):
   moe_forward_tr(x, w_router, w1, w2, top_k, rounding, seed) -> (out, saved)   token rounding
       (rounding 0 NR, 1 UP, 2 DOWN, 3 SR; tile = _C.token_rounding_tile())
   moe_backward_tr(dout, x, w_router, w1, w2, saved, top_k, rounding) -> (dx, dw_router, dw1, dw2)
+Expert parallelism (one node, NCCL device API): smoe_torch.ep (EpGroup, ep_moe; ops
+  ep_forward(ctx, x, expert, scores, w1_local, w2_local) and ep_backward), and MoE(ep_group=...).
 Each has a fake (meta) implementation, so torch.compile(fullgraph=True) traces through them;
 moe_forward has autograd registered (backward = moe_backward). `saved` is an opaque uint8 tensor
 (H [TK,2n] bf16 + routing metadata: 4TKn + O(TK) bytes): that plus references to x and the

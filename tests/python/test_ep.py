@@ -101,3 +101,67 @@ def test_ep2_matches_one_gpu(T, d, n, E, K):
         assert finite, f"rank {rank}: unwritten or non-finite outputs"
         assert same, f"rank {rank}: the second call is not bitwise identical to the first"
         assert empty_zero, f"rank {rank}: empty slots must get dscores exactly 0"
+
+
+def _module_worker(rank, world, port, seed, q):
+    """smoe_torch.MoE(ep_group=...) on 2 ranks against the one-GPU module with the same weights."""
+    import torch.distributed as dist
+    from smoe_torch import ep as sep
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+    try:
+        d, n, E, K, T = 128, 64, 8, 2, 200
+        torch.manual_seed(seed)
+        # load_balance_coeff=0 keeps the bias at 0 but routes the one-GPU module in torch too, so both
+        # take the same router code path (same init on both ranks: same seed).
+        full = smoe_torch.MoE(d, n, E, K, load_balance_coeff=0.0).cuda()
+        grp = sep.EpGroup(max_tokens=T, d=d, n=n, num_experts=E, top_k=K)
+        ep = smoe_torch.MoE(d, n, E, K, ep_group=grp, load_balance_coeff=0.0).cuda()
+        El = E // world
+        sl = slice(rank * El, (rank + 1) * El)
+        with torch.no_grad():
+            ep.router.gate.weight.copy_(full.router.gate.weight)
+            for name in ("w1", "w2", "w3"):
+                getattr(ep.experts, name).copy_(getattr(full.experts, name)[sl])
+        g = torch.Generator().manual_seed(seed + 1)
+        x_all = torch.randn(world * T, d, generator=g).cuda()
+        dout_all = torch.randn(world * T, d, generator=g).cuda()
+        tl = slice(rank * T, (rank + 1) * T)
+        x = x_all[tl].clone().requires_grad_(True)
+        out = ep(x)
+        out.backward(dout_all[tl])
+        xr = x_all.clone().requires_grad_(True)
+        ref = full(xr)
+        ref.backward(dout_all)
+        gr = ep.router.gate.weight.grad.clone()
+        dist.all_reduce(gr)                                # the replicated router: sum over the ranks' tokens
+        errs = [rel_l2(out, ref[tl]), rel_l2(x.grad, xr.grad[tl]), rel_l2(gr, full.router.gate.weight.grad)]
+        for name in ("w1", "w2", "w3"):
+            errs.append(rel_l2(getattr(ep.experts, name).grad, getattr(full.experts, name).grad[sl]))
+        grp.close()
+        q.put((rank, errs))
+    except Exception as ex:
+        q.put((rank, repr(ex)))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ep2_module_matches_one_gpu_module():
+    from smoe_torch import ep as sep
+    if sep._ep is None:
+        pytest.skip("smoe_torch built without expert parallelism (no NCCL)")
+    import torch.multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    seed = random.randrange(1 << 30)
+    port = _free_port()
+    procs = [ctx.Process(target=_module_worker, args=(r, 2, port, seed, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = [q.get(timeout=300) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+    for rank, errs in got:
+        assert not isinstance(errs, str), f"rank {rank} (seed {seed}): {errs}"
+        assert all(e < 2e-2 for e in errs), f"rank {rank} (seed {seed}): out, dx, dw_router, dw1, dw2, dw3 = {errs}"
