@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Expert-parallel checks and benchmarks on the 2-GPU machine (device tool kind nvidia-h200-x2), from
+# the repository root, carrying .deps/googletest and the CUTLASS headers (as device_check.sh).
+# Steps (EP_STEPS, default "build test comm torch train"):
+#   build   cmake build in build-device/ (all cores)       test   test_ep (C++, 2 GPUs)
+#   comm    ep_comm_bench: dispatch / combine bandwidth    torch  pip install . + tests/python/test_ep.py
+#   train   examples/ep_train under torchrun (EP = 2)      bench  bench/ep_baseline.py (EP_CONFIGS, EP_SYSTEMS)
+# Logs and results go to $OUT, and all of them into $OUT/device_ep.tgz.
+set -uo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+OUT="${OUT:-$ROOT/out}"
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0   # NVLink multicast stays off on shared machines
+STEPS="${EP_STEPS:-build test comm torch train}"
+COMMIT="$(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+has() { case " $STEPS " in *" $1 "*) return 0;; esac; return 1; }
+step() {  # name timeout command...
+  local name=$1 t=$2; shift 2
+  local t0=$(date +%s)
+  timeout "$t" "$@" >"$OUT/ep_$name.log" 2>&1
+  local rc=$?
+  echo "$name rc=$rc $(( $(date +%s) - t0 ))s"
+  return $rc
+}
+if has build; then
+  STEPS=none bash scripts/device_check.sh >/dev/null 2>&1
+  ls build-device/test_ep build-device/ep_comm_bench >/dev/null 2>&1 || { echo "build failed"; grep -E "error" out/build.log | head; }
+fi
+has test && { step test 200 build-device/test_ep; grep -E "PASSED|FAILED|Failure|error" "$OUT/ep_test.log" | head -20; }
+has comm && { step comm 200 build-device/ep_comm_bench --reps 20 --out "$OUT/ep_comm_$COMMIT.json"; tail -20 "$OUT/ep_comm.log"; }
+if has torch; then
+  step pip 300 python3 -m pip install --no-build-isolation --no-deps -q .
+  (cd /tmp && step pytest 300 python3 -m pytest -q "$ROOT/tests/python/test_ep.py" -p no:cacheprovider); tail -5 "$OUT/ep_pytest.log"
+fi
+has train && { step train 200 torchrun --nproc_per_node 2 examples/ep_train/ep_train.py --steps 100; grep -vE "Warning|\*\*\*\*" "$OUT/ep_train.log" | tail -14; }
+if has bench; then
+  SMOE_COMMIT=$COMMIT step bench 500 torchrun --nproc_per_node 2 bench/ep_baseline.py --warmup 1 --reps 5 \
+    ${EP_CONFIGS:+--only "$EP_CONFIGS"} --systems "${EP_SYSTEMS:-torchtitan_a2a,ours_local_a2a,ours_ep}" --out "$OUT/ep_$COMMIT.json"
+  grep -E "^RESULT" "$OUT/ep_bench.log" | cut -c1-400
+fi
+tar czf "$OUT/device_ep.tgz" -C "$OUT" $(cd "$OUT" && ls ep_* 2>/dev/null) 2>/dev/null || true
