@@ -58,12 +58,13 @@ def route(x, wr, K):
     return idx, vals.softmax(-1)
 
 
-def ep_moe(x, wr, w1, w3, w2, K, E, group, experts_fn):
-    """One rank's part of the EP layer (torchtitan pattern). w1/w3/w2: this rank's E/R experts."""
+def ep_moe(x, wr, w1, w3, w2, K, E, group, experts_fn, route_fn=None):
+    """One rank's part of the EP layer (torchtitan pattern). w1/w3/w2: this rank's E/R experts.
+    route_fn(x) -> (idx, scores) replaces the default top-K softmax router (x @ wr^T)."""
     R = dist.get_world_size(group)
     El = E // R
     T, d = x.shape
-    idx, s = route(x, wr, K)
+    idx, s = route(x, wr, K) if route_fn is None else route_fn(x)
     flat = idx.reshape(-1)
     order = torch.argsort(flat, stable=True)             # entries by expert (then entry index)
     rows = x.repeat_interleave(K, dim=0)[order]          # one row per (token, k), expert-major

@@ -102,6 +102,21 @@ struct EpBackwardArgs {
   size_t workspace_bytes = 0;
 };
 
+// Dispatch and combine alone, with identity experts (the communication of one forward, for tests
+// and benchmarks): every token goes to each rank that holds one of its experts and comes straight
+// back; out[t] = (number of such ranks) * x[t], summed in fp32 in ascending rank order.
+struct EpRoundtripArgs {
+  int64_t T = 0;
+  const bf16* x = nullptr;          // [T][d]
+  const int32_t* expert = nullptr;  // [T][K] global ids, -1 = empty
+  bf16* out = nullptr;              // [T][d]
+  void* workspace = nullptr;        // ep_roundtrip_workspace_size(ctx, T) bytes
+  size_t workspace_bytes = 0;
+  DeviceStatus* status = nullptr;
+};
+size_t ep_roundtrip_workspace_size(const EpContext* ctx, int64_t T);
+Status ep_roundtrip(EpContext* ctx, const EpRoundtripArgs& args, cudaStream_t stream);
+
 Status ep_forward(EpContext* ctx, const EpForwardArgs& args, cudaStream_t stream);
 Status ep_backward(EpContext* ctx, const EpBackwardArgs& args, cudaStream_t stream);
 

@@ -59,8 +59,8 @@ cudaError_t launch_layout(const EpKernelArgs& a, const int32_t* expert, int32_t*
 cudaError_t launch_exchange(const EpKernelArgs& a, const int32_t* my_counts, int32_t* all_counts,
                             cudaStream_t stream);
 // Dispatch: rows x (and dy, when not null) of every sent token to the peer's receive slots;
-// with x only (forward) also the local ids / scores of the slot, and -1 ids in this rank's unused
-// slots. start_barrier: wait for the peers to have entered (backward; the forward's exchange did).
+// with x only and scores (forward) also the local ids / scores of the slot, and -1 ids in this
+// rank's unused slots (with neither dy nor scores: rows only). start_barrier: wait for the peers to have entered (backward; the forward's exchange did).
 cudaError_t launch_dispatch(const EpKernelArgs& a, const int32_t* all_counts,
                             const int32_t* send_pos, const bf16* x, const bf16* dy,
                             const int32_t* expert, const float* scores, bool start_barrier,

@@ -140,7 +140,7 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_kernel(
       if (ys) {
         uint4* yd = reinterpret_cast<uint4*>(peer[q] + a.lay.recv_dy) + slot * vpr;
         for (int v = lane; v < vpr; v += 32) yd[v] = ys[v];
-      } else {
+      } else if (scores) {
         // Slot j of the received token = the j-th of its entries (in k order) on rank q.
         int32_t* id_d = reinterpret_cast<int32_t*>(peer[q] + a.lay.meta_ids) + slot * a.Kl;
         float* sc_d = reinterpret_cast<float*>(peer[q] + a.lay.meta_scores) + slot * a.Kl;
@@ -163,7 +163,7 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_kernel(
       }
     }
   }
-  if (!dy) {  // forward: this rank's slots past the received tokens route nowhere
+  if (!dy && scores) {  // forward: this rank's slots past the received tokens route nowhere
     int32_t* my_ids = reinterpret_cast<int32_t*>(a.local + a.lay.meta_ids);
     float* my_sc = reinterpret_cast<float*>(a.local + a.lay.meta_scores);
     const int64_t end = int64_t(R) * a.Tmax * a.Kl;

@@ -67,6 +67,26 @@ BwdWorkspace bwd_workspace(const EpContext* c, void* base) {
   return b;
 }
 
+// Roundtrip: the layout part of the saved state plus the counts, all in the workspace.
+struct RoundtripWorkspace {
+  int32_t* my_counts = nullptr;
+  int32_t* all_counts = nullptr;
+  int32_t* send_pos = nullptr;
+  int32_t* ids = nullptr;
+  size_t bytes = 0;
+};
+
+RoundtripWorkspace roundtrip_workspace(const EpContext* c, int64_t T, void* base) {
+  Carver w(base);
+  RoundtripWorkspace r;
+  r.my_counts = w.take<int32_t>(size_t(c->world));
+  r.all_counts = w.take<int32_t>(size_t(c->world) * c->world);
+  r.send_pos = w.take<int32_t>(size_t(c->world) * size_t(T));
+  r.ids = w.take<int32_t>(size_t(T) * c->config.K);
+  r.bytes = w.used();
+  return r;
+}
+
 bool valid_T(const EpContext* c, int64_t T) { return c != nullptr && T >= 0 && T <= c->config.max_tokens; }
 
 Status check_common(const EpContext* c, const char* fn, int64_t T) {
@@ -113,6 +133,39 @@ ep::EpKernelArgs kernel_args(const EpContext* c, int64_t T) {
   SMOE_RETURN_IF_ERROR(detail::cuda_status((expr), "launch of " name))
 
 }  // namespace
+
+size_t ep_roundtrip_workspace_size(const EpContext* c, int64_t T) {
+  return valid_T(c, T) ? roundtrip_workspace(c, T, nullptr).bytes : 0;
+}
+
+Status ep_roundtrip(EpContext* c, const EpRoundtripArgs& a, cudaStream_t stream) {
+  const char* fn = "ep_roundtrip";
+  SMOE_RETURN_IF_ERROR(check_common(c, fn, a.T));
+  if (a.T > 0) {
+    SMOE_RETURN_IF_ERROR(detail::check_ptr(a.x, fn, "x", 16));
+    SMOE_RETURN_IF_ERROR(detail::check_ptr(a.expert, fn, "expert", 4));
+    SMOE_RETURN_IF_ERROR(detail::check_ptr(a.out, fn, "out", 16));
+  }
+  SMOE_RETURN_IF_ERROR(detail::check_ptr(a.status, fn, "status", 8));
+  SMOE_RETURN_IF_ERROR(detail::check_ptr(a.workspace, fn, "workspace", kWorkspaceAlignment));
+  const RoundtripWorkspace ws = roundtrip_workspace(c, a.T, a.workspace);
+  SMOE_RETURN_IF_ERROR(check_size(fn, "workspace_bytes", a.workspace_bytes, ws.bytes));
+  const ep::EpKernelArgs k = kernel_args(c, a.T);
+  // The receive window holds the dispatched rows in slot order, which is what combine sends back.
+  const bf16* recv = reinterpret_cast<const bf16*>(static_cast<const char*>(c->window_base) + c->layout.recv_x);
+  SMOE_EP_LAUNCH(ep::launch_layout(k, a.expert, ws.send_pos, ws.my_counts, ws.ids, a.status, stream),
+                 "ep layout");
+  SMOE_EP_LAUNCH(ep::launch_exchange(k, ws.my_counts, ws.all_counts, stream), "ep exchange");
+  SMOE_EP_LAUNCH(ep::launch_dispatch(k, ws.all_counts, ws.send_pos, a.x, nullptr, ws.ids, nullptr,
+                                     /*start_barrier=*/false, c->config.comm_blocks, stream),
+                 "ep dispatch");
+  SMOE_EP_LAUNCH(ep::launch_combine(k, ws.all_counts, recv, nullptr, c->config.comm_blocks, stream),
+                 "ep combine");
+  SMOE_EP_LAUNCH(ep::launch_reduce(k, ws.all_counts, ws.send_pos, recv, a.out, nullptr, nullptr,
+                                   nullptr, stream),
+                 "ep reduce");
+  return Status{};
+}
 
 size_t ep_saved_state_size(const EpContext* c, int64_t T) {
   return valid_T(c, T) ? saved_layout(c, T, nullptr).bytes : 0;

@@ -328,6 +328,75 @@ TEST(GpuEp, BitwiseRepeatable100) {
   check_ep(make_problem(256, 128, 32, 4, {1000, 777}, Routing::kRandom, seed), 1024, 100);
 }
 
+// Dispatch + combine alone (identity experts): out[t] = (ranks holding one of t's experts) * x[t],
+// exactly (the fp32 sum of equal bf16 values, rounded once), and every output element written.
+TEST(GpuEp, RoundtripIsRanksTimesX) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed=" + std::to_string(seed));
+  const Problem p = make_problem(192, 64, 8, 3, {333, 0}, Routing::kRandom, seed);  // rank 1: T = 0
+  std::vector<ncclComm_t> comms(g_world);
+  std::vector<int> devs(g_world);
+  for (int r = 0; r < g_world; ++r) devs[r] = r;
+  ASSERT_EQ(ncclCommInitAll(comms.data(), g_world, devs.data()), ncclSuccess);
+  std::vector<std::vector<float>> outs(g_world);
+  std::vector<std::string> err(g_world);
+  std::vector<std::thread> th;
+  for (int r = 0; r < g_world; ++r)
+    th.emplace_back([&, r] {
+      cudaSetDevice(r);
+      smoe::EpConfig c;
+      c.max_tokens = 400, c.d = p.d, c.n = p.n, c.E = p.E, c.K = p.K;
+      smoe::EpContext* ctx = nullptr;
+      smoe::Status s = smoe::ep_create(comms[r], c, &ctx);
+      if (!s.ok()) { err[r] = s.message; return; }
+      int64_t t0 = 0;
+      for (int q = 0; q < r; ++q) t0 += p.T[q];
+      const int64_t T = p.T[r];
+      DeviceBuffer<bf16> x(T * p.d), out(T * p.d);
+      DeviceBuffer<int32_t> ex(T * p.K);
+      DeviceBuffer<char> ws(smoe::ep_roundtrip_workspace_size(ctx, T));
+      DeviceBuffer<smoe::DeviceStatus> st(1);
+      smoe::reset_device_status(st.get(), nullptr);
+      if (T > 0) {
+        x.upload(to_bf16(std::vector<float>(p.x.begin() + t0 * p.d, p.x.begin() + (t0 + T) * p.d)));
+        ex.upload(std::vector<int32_t>(p.expert.begin() + t0 * p.K, p.expert.begin() + (t0 + T) * p.K));
+      }
+      for (int rep = 0; rep < 3; ++rep) {
+        out.poison();
+        smoe::EpRoundtripArgs a;
+        a.T = T, a.x = x.get(), a.expert = ex.get(), a.out = out.get();
+        a.workspace = ws.get(), a.workspace_bytes = ws.bytes(), a.status = st.get();
+        s = smoe::ep_roundtrip(ctx, a, nullptr);
+        if (!s.ok()) { err[r] = s.message; return; }
+      }
+      cudaDeviceSynchronize();
+      outs[r] = to_float(out.download());
+      s = smoe::ep_destroy(ctx);
+      if (!s.ok()) err[r] = s.message;
+    });
+  for (auto& t : th) t.join();
+  for (auto c : comms) ncclCommDestroy(c);
+  for (int r = 0; r < g_world; ++r) ASSERT_TRUE(err[r].empty()) << err[r];
+  const int El = p.E / g_world;
+  int64_t t0 = 0;
+  for (int r = 0; r < g_world; ++r) {
+    for (int64_t t = 0; t < p.T[r]; ++t) {
+      int hit = 0;
+      for (int q = 0; q < g_world; ++q) {
+        bool h = false;
+        for (int k = 0; k < p.K; ++k) h |= p.expert[(t0 + t) * p.K + k] >= 0 && p.expert[(t0 + t) * p.K + k] / El == q;
+        hit += h;
+      }
+      for (int j = 0; j < p.d; ++j) {
+        const float xv = __bfloat162float(__float2bfloat16(p.x[(t0 + t) * p.d + j]));
+        const float want = __bfloat162float(__float2bfloat16(xv * hit));
+        ASSERT_EQ(outs[r][t * p.d + j], want) << "rank " << r << " token " << t << " col " << j << " ranks hit " << hit;
+      }
+    }
+    t0 += p.T[r];
+  }
+}
+
 TEST(GpuEp, BadConfigIsAnErrorOnEveryRankNoHang) {
   std::vector<ncclComm_t> comms(g_world);
   std::vector<int> devs(g_world);

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <random>
 #include <string>
 #include <thread>
@@ -752,4 +753,172 @@ TEST(GpuLayer, GraphCaptureNeedsInitThenReplaysBitwise) {
     cudaStreamDestroy(st);
   });
   worker.join();
+}
+
+// Every argument rule of moe_forward / moe_backward on real device buffers: the call returns the
+// documented code and names the argument, and NO output byte changed (every output of both calls,
+// saved state, workspaces and status included, holds a poison pattern before and after).
+namespace {
+
+struct Poisoned {
+  std::vector<std::pair<const char*, std::pair<void*, size_t>>> bufs;
+  void add(const char* name, void* p, size_t bytes) {
+    if (p && bytes) bufs.push_back({name, {p, bytes}});
+  }
+  void poison() {
+    for (auto& b : bufs) EXPECT_EQ(cudaMemset(b.second.first, 0xA5, b.second.second), cudaSuccess);
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  }
+  void expect_untouched(const std::string& what) {
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess) << what;
+    for (auto& b : bufs) {
+      std::vector<uint8_t> h(b.second.second);
+      ASSERT_EQ(cudaMemcpy(h.data(), b.second.first, h.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+      for (size_t i = 0; i < h.size(); ++i)
+        ASSERT_EQ(h[i], 0xA5) << what << ": byte " << i << " of " << b.first << " changed";
+    }
+  }
+};
+
+Poisoned all_outputs(GpuLayer& g) {
+  Poisoned p;
+  p.add("out", g.out.get(), g.out.bytes());
+  p.add("saved", g.saved.get(), g.saved.bytes());
+  p.add("forward workspace", g.wsf.get(), g.wsf.bytes());
+  p.add("status", g.status.get(), g.status.bytes());
+  p.add("dx", g.dx.get(), g.dx.bytes());
+  p.add("dw_router", g.dwr.get(), g.dwr.bytes());
+  p.add("dw1", g.dw1.get(), g.dw1.bytes());
+  p.add("dw2", g.dw2.get(), g.dw2.bytes());
+  p.add("dscores", g.dscores.get(), g.dscores.bytes());
+  p.add("backward workspace", g.wsb.get(), g.wsb.bytes());
+  return p;
+}
+
+smoe::MoEBackwardArgs backward_args(const GpuLayer& g) {
+  smoe::MoEBackwardArgs b;
+  b.shape = g.s;
+  b.x = g.x.get();
+  b.weights = {g.wr.get(), g.w1.get(), g.w2.get()};
+  b.dout = g.dout.get();
+  b.saved = g.saved.get();
+  b.saved_bytes = g.saved.bytes();
+  b.dx = g.dx.get();
+  b.dw_router = g.s.router == smoe::MoERouter::kProvided ? nullptr : g.dwr.get();
+  b.dscores = g.dscores.get();
+  b.dw1 = g.dw1.get();
+  b.dw2 = g.dw2.get();
+  b.workspace = g.wsb.get();
+  b.workspace_bytes = g.wsb.bytes();
+  return b;
+}
+
+template <typename Args>
+using Mutate = std::function<void(Args*, GpuLayer&)>;
+
+template <typename Args>
+struct BadCase {
+  const char* needle;  // the message names the argument (and the rule)
+  smoe::StatusCode code;
+  Mutate<Args> mutate;
+};
+
+}  // namespace
+
+TEST(GpuBadInput, ForwardRejectsEveryRuleAndWritesNothing) {
+  using C = smoe::StatusCode;
+  using F = smoe::MoEForwardArgs;
+  const auto mis = [](const void* p, int by) { return reinterpret_cast<const char*>(p) + by; };
+  const std::vector<BadCase<F>> cases = {
+      {"d = 96", C::kInvalidArgument, [](F* a, GpuLayer&) { a->shape.d = 96; }},
+      {"n = 0", C::kInvalidArgument, [](F* a, GpuLayer&) { a->shape.n = 0; }},
+      {"x is null", C::kInvalidArgument, [](F* a, GpuLayer&) { a->x = nullptr; }},
+      {"x = ", C::kMisalignedPointer, [&](F* a, GpuLayer&) { a->x = reinterpret_cast<const bf16*>(mis(a->x, 2)); }},
+      {"weights.w_router is null", C::kInvalidArgument, [](F* a, GpuLayer&) { a->weights.w_router = nullptr; }},
+      {"weights.w1 = ", C::kMisalignedPointer,
+       [&](F* a, GpuLayer&) { a->weights.w1 = reinterpret_cast<const bf16*>(mis(a->weights.w1, 8)); }},
+      {"weights.w2 is null", C::kInvalidArgument, [](F* a, GpuLayer&) { a->weights.w2 = nullptr; }},
+      {"saved is null", C::kInvalidArgument, [](F* a, GpuLayer&) { a->saved = nullptr; }},
+      {"saved_bytes", C::kWorkspaceTooSmall, [](F* a, GpuLayer&) { a->saved_bytes -= 1; }},
+      {"out is null", C::kInvalidArgument, [](F* a, GpuLayer&) { a->out = nullptr; }},
+      {"status is null", C::kInvalidArgument, [](F* a, GpuLayer&) { a->status = nullptr; }},
+      {"workspace_bytes", C::kWorkspaceTooSmall, [](F* a, GpuLayer&) { a->workspace_bytes -= 1; }},
+      {"out (", C::kInvalidArgument, [](F* a, GpuLayer&) { a->out = const_cast<bf16*>(a->x); }},
+      {"saved (", C::kInvalidArgument,
+       [](F* a, GpuLayer& g) { a->workspace = g.saved.get(); }},
+  };
+  const smoe::MoEShape s{300, 128, 64, 8, 2};
+  GpuLayer g(make_inputs(s, fresh_seed()));
+  Poisoned p = all_outputs(g);
+  for (const auto& c : cases) {
+    p.poison();
+    F a = g.forward_args();
+    c.mutate(&a, g);
+    const smoe::Status st = smoe::moe_forward(a, 0);
+    EXPECT_EQ(st.code, c.code) << c.needle << ": " << st.message;
+    EXPECT_NE(st.message.find(c.needle), std::string::npos) << st.message;
+    p.expect_untouched(std::string("moe_forward, ") + c.needle);
+    if (::testing::Test::HasFatalFailure()) return;
+  }
+}
+
+TEST(GpuBadInput, BackwardRejectsEveryRuleAndWritesNothing) {
+  using C = smoe::StatusCode;
+  using B = smoe::MoEBackwardArgs;
+  const std::vector<BadCase<B>> cases = {
+      {"top_k (K) = 0", C::kInvalidArgument, [](B* a, GpuLayer&) { a->shape.K = 0; }},
+      {"dout is null", C::kInvalidArgument, [](B* a, GpuLayer&) { a->dout = nullptr; }},
+      {"dx is null", C::kInvalidArgument, [](B* a, GpuLayer&) { a->dx = nullptr; }},
+      {"dw_router is null", C::kInvalidArgument, [](B* a, GpuLayer&) { a->dw_router = nullptr; }},
+      {"dw1 is null", C::kInvalidArgument, [](B* a, GpuLayer&) { a->dw1 = nullptr; }},
+      {"dw2 is null", C::kInvalidArgument, [](B* a, GpuLayer&) { a->dw2 = nullptr; }},
+      {"saved_bytes", C::kWorkspaceTooSmall, [](B* a, GpuLayer&) { a->saved_bytes -= 1; }},
+      {"workspace_bytes", C::kWorkspaceTooSmall, [](B* a, GpuLayer&) { a->workspace_bytes -= 1; }},
+      {"dx (", C::kInvalidArgument, [](B* a, GpuLayer&) { a->dx = const_cast<bf16*>(a->dout); }},
+      {"dw1 (", C::kInvalidArgument, [](B* a, GpuLayer&) { a->dw1 = const_cast<bf16*>(a->weights.w1); }},
+  };
+  const smoe::MoEShape s{300, 128, 64, 8, 2};
+  GpuLayer g(make_inputs(s, fresh_seed()));
+  ASSERT_TRUE(g.run().ok());  // a real saved state, so only the broken rule can fail the call
+  Poisoned p = all_outputs(g);
+  // The saved state is an input of backward: poisoning it would hide nothing, but keep it real.
+  p.bufs.erase(std::remove_if(p.bufs.begin(), p.bufs.end(),
+                              [](const auto& b) { return std::string(b.first) == "saved"; }),
+               p.bufs.end());
+  for (const auto& c : cases) {
+    p.poison();
+    B a = backward_args(g);
+    c.mutate(&a, g);
+    const smoe::Status st = smoe::moe_backward(a, 0);
+    EXPECT_EQ(st.code, c.code) << c.needle << ": " << st.message;
+    EXPECT_NE(st.message.find(c.needle), std::string::npos) << st.message;
+    p.expect_untouched(std::string("moe_backward, ") + c.needle);
+    if (::testing::Test::HasFatalFailure()) return;
+  }
+}
+
+TEST(GpuBadInput, ProvidedRoutingArgumentsWriteNothing) {
+  using C = smoe::StatusCode;
+  smoe::MoEShape s{200, 64, 64, 8, 2};
+  s.router = smoe::MoERouter::kProvided;
+  GpuLayer g(make_inputs(s, fresh_seed()));
+  Poisoned p = all_outputs(g);
+  const std::vector<BadCase<smoe::MoEForwardArgs>> cases = {
+      {"routed_expert (router = kProvided) is null", C::kInvalidArgument,
+       [](smoe::MoEForwardArgs* a, GpuLayer&) { a->routed_expert = nullptr; }},
+      {"routed_scores (router = kProvided) is null", C::kInvalidArgument,
+       [](smoe::MoEForwardArgs* a, GpuLayer&) { a->routed_scores = nullptr; }},
+      {"out (", C::kInvalidArgument,
+       [](smoe::MoEForwardArgs* a, GpuLayer&) { a->out = reinterpret_cast<bf16*>(const_cast<float*>(a->routed_scores)); }},
+  };
+  for (const auto& c : cases) {
+    p.poison();
+    smoe::MoEForwardArgs a = g.forward_args();
+    c.mutate(&a, g);
+    const smoe::Status st = smoe::moe_forward(a, 0);
+    EXPECT_EQ(st.code, c.code) << c.needle << ": " << st.message;
+    EXPECT_NE(st.message.find(c.needle), std::string::npos) << st.message;
+    p.expect_untouched(std::string("moe_forward (provided), ") + c.needle);
+    if (::testing::Test::HasFatalFailure()) return;
+  }
 }

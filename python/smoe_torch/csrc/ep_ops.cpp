@@ -176,6 +176,29 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ep_backward(int64_t h
   return {dx, dscores, dw1, dw2};
 }
 
+// Dispatch + combine alone with identity experts (smoe::ep_roundtrip): out[t] = ranks hit * x[t].
+at::Tensor roundtrip(int64_t hv, const at::Tensor& x, const at::Tensor& expert) {
+  Handle* h = handle(hv);
+  const int64_t T = x.dim() == 2 ? x.size(0) : -1;
+  check(x, "x", at::kBFloat16, {T, h->config.d}, h);
+  check(expert, "expert", at::kInt, {T, h->config.K}, h);
+  TORCH_CHECK(T <= h->config.max_tokens, "smoe: x has more tokens than max_tokens");
+  const c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor out = at::empty_like(x);
+  const size_t wsb = smoe::ep_roundtrip_workspace_size(h->ctx, T);
+  at::Tensor ws = at::empty({static_cast<int64_t>(std::max<size_t>(wsb, 1))}, x.options().dtype(at::kByte));
+  smoe::EpRoundtripArgs a;
+  a.T = T;
+  a.x = reinterpret_cast<const smoe::bf16*>(x.data_ptr());
+  a.expert = expert.data_ptr<int32_t>();
+  a.out = reinterpret_cast<smoe::bf16*>(out.data_ptr());
+  a.workspace = ws.data_ptr();
+  a.workspace_bytes = ws.numel();
+  a.status = reinterpret_cast<smoe::DeviceStatus*>(h->status.data_ptr());
+  throw_if(smoe::ep_roundtrip(h->ctx, a, at::cuda::getCurrentCUDAStream()));
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(smoe, m) {
@@ -194,6 +217,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("create", &create, "NCCL communicator + smoe EP context; returns an int handle");
   m.def("destroy", &destroy, "collective: frees the context and its communicator");
   m.def("saved_state_size", &saved_state_size, "bytes ep_forward keeps for backward at T tokens");
+  m.def("roundtrip", &roundtrip, "dispatch + combine alone (identity experts): out = ranks hit * x");
   m.def("status", &status, "the context's DeviceStatus bytes (uint8 CUDA tensor)");
   m.def("ncclversion", [] { int v = 0; ncclGetVersion(&v); return v; }, "version of the NCCL linked");
 }
