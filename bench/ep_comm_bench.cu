@@ -106,6 +106,8 @@ void run_rank(ncclComm_t comm, int rank, int world, Point p, int reps, RankResul
   a.E = p.E;
   a.El = ctx->experts_per_rank;
   a.Kl = ctx->local_slots;
+  a.timeout_cycles = 0;
+  a.flags = nullptr;
   CK(smoe::ep::launch_layout(a, d_ids, send_pos, my_counts, d_clean, st, stream));
   CK(smoe::ep::launch_exchange(a, my_counts, all_counts, stream));
   std::vector<int32_t> counts(R * R);

@@ -44,7 +44,14 @@ struct EpConfig {
   int E = 0;               // global experts, a multiple of the world size
   int K = 0;               // slots per token (top-K)
   int comm_blocks = 32;    // thread blocks of the dispatch / combine kernels (each an LSA barrier)
+  // > 0: a barrier that waits longer than this for a peer gives up, sets kStatusEpBarrierTimeout in
+  // the call's DeviceStatus and the call's kernels skip their remaining communication (the results
+  // of that call are invalid and the context must be destroyed). 0: wait without limit.
+  int barrier_timeout_ms = 0;
 };
+
+// DeviceStatus flag of the EP calls (beside smoe.h's DeviceStatusFlag values).
+constexpr uint32_t kStatusEpBarrierTimeout = 1u << 8;
 
 struct EpContext;  // opaque
 
@@ -94,6 +101,7 @@ struct EpBackwardArgs {
   const bf16* dout = nullptr;       // [T][d]
   const void* saved = nullptr;      // written by ep_forward
   size_t saved_bytes = 0;
+  DeviceStatus* status = nullptr;   // optional: where a barrier timeout is reported
   bf16* dx = nullptr;               // [T][d] the expert path (the router's part is the caller's)
   bf16* dw1 = nullptr;              // [E/R][2n][d] overwritten
   bf16* dw2 = nullptr;              // [E/R][d][n] overwritten

@@ -31,6 +31,8 @@ Status check_config(const EpConfig& c, int world) {
   if (c.E < 1 || c.E % world != 0)
     return bad(concat("config.E = ", c.E, " must be a positive multiple of the world size ", world));
   if (c.K < 1 || c.K > c.E) return bad(concat("config.K = ", c.K, " must be in [1, E = ", c.E, "]"));
+  if (c.barrier_timeout_ms < 0)
+    return bad(concat("config.barrier_timeout_ms = ", c.barrier_timeout_ms, " must be >= 0"));
   if (c.comm_blocks < 1 || c.comm_blocks > kMaxCommBlocks)
     return bad(concat("config.comm_blocks = ", c.comm_blocks, " must be in [1, ", kMaxCommBlocks, "]"));
   // The local layer runs over world * max_tokens received tokens: its shape rules apply.
@@ -88,6 +90,7 @@ Status ep_create(ncclComm_t comm, const EpConfig& config, EpContext** out) {
   Status local = check_config(config, world);
   const int64_t mine[7] = {config.max_tokens, config.d, config.n, config.E, config.K,
                            config.comm_blocks, local.ok() ? 1 : 0};
+  // (barrier_timeout_ms may differ between ranks: it only bounds this rank's own waits.)
   int64_t* dev = nullptr;
   SMOE_CUDA_RETURN(cudaMalloc(&dev, sizeof(mine) * (world + 1)));
   std::vector<int64_t> all(7 * size_t(world));
@@ -134,6 +137,11 @@ Status ep_create(ncclComm_t comm, const EpConfig& config, EpContext** out) {
   c->local_shape.E = c->experts_per_rank;
   c->local_shape.K = c->local_slots;
   c->local_shape.router = MoERouter::kProvided;
+  if (config.barrier_timeout_ms > 0) {
+    int khz = 0;
+    if (cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, device) != cudaSuccess || khz <= 0) khz = 2000000;
+    c->timeout_cycles = uint64_t(config.barrier_timeout_ms) * uint64_t(khz);
+  }
 
   auto fail = [&](Status st) {
     ep_destroy(c);

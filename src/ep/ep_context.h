@@ -33,6 +33,7 @@ struct EpContext {
   int device = 0;
   EpWindowLayout layout;
   MoEShape local_shape;
+  uint64_t timeout_cycles = 0;  // EpConfig::barrier_timeout_ms at this device's SM clock
 };
 
 namespace ep {
@@ -47,6 +48,8 @@ struct EpKernelArgs {
   int rank, world;
   int64_t T, Tmax;
   int d, K, E, El, Kl;  // El experts per rank, Kl slots per received token
+  uint64_t timeout_cycles;  // barrier deadline in SM clock cycles, 0 = none
+  uint32_t* flags;          // DeviceStatus::flags of the call (may be null)
 };
 
 // Layout: send_pos[q][t] = position of token t among the tokens this rank sends to q (-1: none),

@@ -22,6 +22,44 @@ namespace {
 constexpr int kMaxRanks = 8;
 constexpr int kCommThreads = 512;
 
+using Barrier = ncclLsaBarrierSession<ncclCoopCta>;
+
+// A barrier sync of the whole CTA that gives up after a.timeout_cycles (0: waits without limit).
+// Returns true when every peer arrived; on a timeout one thread sets kStatusEpBarrierTimeout and the
+// caller skips its remaining communication. NCCL >= 2.30 has the bounded wait; 2.28's LSA barrier
+// has none, so there its wait loop (nccl_device/impl/lsa_barrier__funcs.h: each rank stores epoch + 1
+// into its slot of every peer's inbox, then waits for every peer's store into its own) runs here with
+// a clock check added.
+__device__ bool ep_sync(Barrier& bar, cuda::memory_order order, const EpKernelArgs& a) {
+  if (a.timeout_cycles == 0) {
+    bar.sync(ncclCoopCta(), order);
+    return true;
+  }
+  bool ok = true;
+#if NCCL_VERSION_CODE >= 23000
+  ok = bar.sync(ncclCoopCta(), order, a.timeout_cycles) == ncclSuccess;
+#else
+  bar.arrive(ncclCoopCta(), order);
+  for (int i = threadIdx.x; i < bar.team.nRanks - 1; i += blockDim.x) {
+    const int peer = i + (bar.team.rank <= i ? 1 : 0);
+    cuda::atomic_ref<uint32_t> inbox(*bar.ucInbox(bar.team.rank, peer));
+    const long long t0 = clock64();
+    while (true) {
+      const uint32_t got = inbox.load(nccl::utility::acquireOrderOf(order));
+      if (got - (bar.epoch + 1) <= (uint32_t(-1) >> 1)) break;
+      if (uint64_t(clock64() - t0) >= a.timeout_cycles) {
+        ok = false;
+        break;
+      }
+    }
+  }
+  bar.epoch += 1;
+#endif
+  ok = __syncthreads_and(ok) != 0;
+  if (!ok && threadIdx.x == 0 && a.flags != nullptr) atomicOr(a.flags, kStatusEpBarrierTimeout);
+  return ok;
+}
+
 __device__ __forceinline__ void add_bf16x8(float (&acc)[8], uint4 v) {
   const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
 #pragma unroll
@@ -88,25 +126,29 @@ __global__ void __launch_bounds__(kThreads) layout_kernel(EpKernelArgs a, const 
 }
 
 __global__ void exchange_kernel(EpKernelArgs a, const int32_t* my_counts, int32_t* all_counts) {
-  ncclLsaBarrierSession<ncclCoopCta> bar(ncclCoopCta(), a.dev_comm, ncclTeamTagLsa(), 0);
-  bar.sync(ncclCoopCta(), cuda::memory_order_relaxed);
+  Barrier bar(ncclCoopCta(), a.dev_comm, ncclTeamTagLsa(), 0);
   const int R = a.world;
-  for (int i = threadIdx.x; i < R * R; i += blockDim.x) {
-    const int p = i / R, q = i % R;
-    int32_t* peer_counts = static_cast<int32_t*>(ncclGetLsaPointer(a.window, a.lay.counts, p));
-    peer_counts[a.rank * R + q] = my_counts[q];
+  bool ok = ep_sync(bar, cuda::memory_order_relaxed, a);
+  if (ok) {
+    for (int i = threadIdx.x; i < R * R; i += blockDim.x) {
+      const int p = i / R, q = i % R;
+      int32_t* peer_counts = static_cast<int32_t*>(ncclGetLsaPointer(a.window, a.lay.counts, p));
+      peer_counts[a.rank * R + q] = my_counts[q];
+    }
+    ok = ep_sync(bar, cuda::memory_order_acq_rel, a);
   }
-  bar.sync(ncclCoopCta(), cuda::memory_order_acq_rel);
+  // After a timeout every count is 0: the later kernels of the call move nothing and index nothing
+  // out of range (the call's results are invalid and flagged).
   const int32_t* mine = reinterpret_cast<const int32_t*>(a.local + a.lay.counts);
-  for (int i = threadIdx.x; i < R * R; i += blockDim.x) all_counts[i] = mine[i];
+  for (int i = threadIdx.x; i < R * R; i += blockDim.x) all_counts[i] = ok ? mine[i] : 0;
 }
 
 // Warp per token: the token's row goes once to every rank that holds one of its experts.
 __global__ void __launch_bounds__(kCommThreads) dispatch_kernel(
     EpKernelArgs a, const int32_t* all_counts, const int32_t* send_pos, const bf16* x,
     const bf16* dy, const int32_t* ids, const float* scores, bool start_barrier) {
-  ncclLsaBarrierSession<ncclCoopCta> bar(ncclCoopCta(), a.dev_comm, ncclTeamTagLsa(), blockIdx.x);
-  if (start_barrier) bar.sync(ncclCoopCta(), cuda::memory_order_relaxed);
+  Barrier bar(ncclCoopCta(), a.dev_comm, ncclTeamTagLsa(), blockIdx.x);
+  if (start_barrier && !ep_sync(bar, cuda::memory_order_relaxed, a)) return;
   const int R = a.world;
   __shared__ int64_t base[kMaxRanks];
   __shared__ char* peer[kMaxRanks];
@@ -173,7 +215,7 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_kernel(
       my_sc[i] = 0.f;
     }
   }
-  bar.sync(ncclCoopCta(), cuda::memory_order_acq_rel);
+  ep_sync(bar, cuda::memory_order_acq_rel, a);
 }
 
 // Warp per returned row: the rows this rank received from source s (contiguous slots) go back to
@@ -181,7 +223,7 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_kernel(
 __global__ void __launch_bounds__(kCommThreads) combine_kernel(EpKernelArgs a,
                                                                const int32_t* all_counts,
                                                                const bf16* y, const float* ds) {
-  ncclLsaBarrierSession<ncclCoopCta> bar(ncclCoopCta(), a.dev_comm, ncclTeamTagLsa(), blockIdx.x);
+  Barrier bar(ncclCoopCta(), a.dev_comm, ncclTeamTagLsa(), blockIdx.x);
   const int R = a.world;
   const int lane = threadIdx.x & 31;
   const int64_t warp = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
@@ -206,7 +248,7 @@ __global__ void __launch_bounds__(kCommThreads) combine_kernel(EpKernelArgs a,
     }
     base += cnt;
   }
-  bar.sync(ncclCoopCta(), cuda::memory_order_acq_rel);
+  ep_sync(bar, cuda::memory_order_acq_rel, a);
 }
 
 // Warp per token: fp32 sum of the partial rows in ascending rank order (fixed, so deterministic).

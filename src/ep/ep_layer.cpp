@@ -111,7 +111,7 @@ Status check_size(const char* fn, const char* name, size_t have, size_t need) {
   return Status{};
 }
 
-ep::EpKernelArgs kernel_args(const EpContext* c, int64_t T) {
+ep::EpKernelArgs kernel_args(const EpContext* c, int64_t T, DeviceStatus* status) {
   ep::EpKernelArgs a;
   a.dev_comm = c->dev_comm;
   a.window = c->window;
@@ -126,6 +126,8 @@ ep::EpKernelArgs kernel_args(const EpContext* c, int64_t T) {
   a.E = c->config.E;
   a.El = c->experts_per_rank;
   a.Kl = c->local_slots;
+  a.timeout_cycles = c->timeout_cycles;
+  a.flags = status ? &status->flags : nullptr;
   return a;
 }
 
@@ -150,7 +152,7 @@ Status ep_roundtrip(EpContext* c, const EpRoundtripArgs& a, cudaStream_t stream)
   SMOE_RETURN_IF_ERROR(detail::check_ptr(a.workspace, fn, "workspace", kWorkspaceAlignment));
   const RoundtripWorkspace ws = roundtrip_workspace(c, a.T, a.workspace);
   SMOE_RETURN_IF_ERROR(check_size(fn, "workspace_bytes", a.workspace_bytes, ws.bytes));
-  const ep::EpKernelArgs k = kernel_args(c, a.T);
+  const ep::EpKernelArgs k = kernel_args(c, a.T, a.status);
   // The receive window holds the dispatched rows in slot order, which is what combine sends back.
   const bf16* recv = reinterpret_cast<const bf16*>(static_cast<const char*>(c->window_base) + c->layout.recv_x);
   SMOE_EP_LAUNCH(ep::launch_layout(k, a.expert, ws.send_pos, ws.my_counts, ws.ids, a.status, stream),
@@ -196,7 +198,7 @@ Status ep_forward(EpContext* c, const EpForwardArgs& a, cudaStream_t stream) {
   SMOE_RETURN_IF_ERROR(check_size(fn, "saved_bytes", a.saved_bytes, sv.bytes));
   SMOE_RETURN_IF_ERROR(check_size(fn, "workspace_bytes", a.workspace_bytes, ws.bytes));
 
-  const ep::EpKernelArgs k = kernel_args(c, a.T);
+  const ep::EpKernelArgs k = kernel_args(c, a.T, a.status);
   const char* win = static_cast<const char*>(c->window_base);
   MoEForwardArgs la;
   la.shape = c->local_shape;
@@ -240,6 +242,7 @@ Status ep_backward(EpContext* c, const EpBackwardArgs& a, cudaStream_t stream) {
   SMOE_RETURN_IF_ERROR(detail::check_ptr(a.w2, fn, "w2", 16));
   SMOE_RETURN_IF_ERROR(detail::check_ptr(a.dw1, fn, "dw1", 16));
   SMOE_RETURN_IF_ERROR(detail::check_ptr(a.dw2, fn, "dw2", 16));
+  if (a.status != nullptr) SMOE_RETURN_IF_ERROR(detail::check_ptr(a.status, fn, "status", 8));
   SMOE_RETURN_IF_ERROR(detail::check_ptr(a.saved, fn, "saved", kWorkspaceAlignment));
   SMOE_RETURN_IF_ERROR(detail::check_ptr(a.workspace, fn, "workspace", kWorkspaceAlignment));
   const SavedLayout sv = saved_layout(c, a.T, const_cast<void*>(a.saved));
@@ -247,7 +250,7 @@ Status ep_backward(EpContext* c, const EpBackwardArgs& a, cudaStream_t stream) {
   SMOE_RETURN_IF_ERROR(check_size(fn, "saved_bytes", a.saved_bytes, sv.bytes));
   SMOE_RETURN_IF_ERROR(check_size(fn, "workspace_bytes", a.workspace_bytes, ws.bytes));
 
-  const ep::EpKernelArgs k = kernel_args(c, a.T);
+  const ep::EpKernelArgs k = kernel_args(c, a.T, a.status);
   const char* win = static_cast<const char*>(c->window_base);
   MoEBackwardArgs lb;
   lb.shape = c->local_shape;

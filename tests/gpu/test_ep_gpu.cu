@@ -3,6 +3,8 @@
 // tested against the float64 reference in test_gpu), at fresh random inputs. Exits with 77
 // (CTest "Skipped") and says why when fewer than 2 Hopper GPUs are present.
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -395,6 +397,69 @@ TEST(GpuEp, RoundtripIsRanksTimesX) {
     }
     t0 += p.T[r];
   }
+}
+
+// A peer that never calls: with EpConfig::barrier_timeout_ms the caller's barriers give up, the call
+// finishes (no hang, no crash) and its status carries kStatusEpBarrierTimeout.
+TEST(GpuEp, PeerThatNeverArrivesTimesOut) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed=" + std::to_string(seed));
+  const Problem p = make_problem(128, 64, 8, 2, {100, 100}, Routing::kRandom, seed);
+  std::vector<ncclComm_t> comms(g_world);
+  std::vector<int> devs(g_world);
+  for (int r = 0; r < g_world; ++r) devs[r] = r;
+  ASSERT_EQ(ncclCommInitAll(comms.data(), g_world, devs.data()), ncclSuccess);
+  std::vector<std::string> err(g_world);
+  uint32_t flags = 0;
+  double seconds = 0;
+  std::atomic<bool> rank0_done{false};  // rank 1 frees its window only after rank 0's call ended
+  std::vector<std::thread> th;
+  for (int r = 0; r < g_world; ++r)
+    th.emplace_back([&, r] {
+      cudaSetDevice(r);
+      smoe::EpConfig c;
+      c.max_tokens = 128, c.d = p.d, c.n = p.n, c.E = p.E, c.K = p.K;
+      c.barrier_timeout_ms = 300;
+      smoe::EpContext* ctx = nullptr;
+      smoe::Status s = smoe::ep_create(comms[r], c, &ctx);
+      if (!s.ok()) { err[r] = s.message; rank0_done = true; return; }
+      if (r == 0) {  // only rank 0 calls forward
+        const int64_t T = p.T[0];
+        const int El = p.E / g_world;
+        DeviceBuffer<bf16> x(T * p.d), out(T * p.d), w1(El * 2 * p.n * p.d), w2(El * p.d * p.n);
+        DeviceBuffer<int32_t> ex(T * p.K);
+        DeviceBuffer<float> sc(T * p.K);
+        DeviceBuffer<char> saved(smoe::ep_saved_state_size(ctx, T)), ws(smoe::ep_forward_workspace_size(ctx, T));
+        DeviceBuffer<smoe::DeviceStatus> st(1);
+        smoe::reset_device_status(st.get(), nullptr);
+        x.upload(to_bf16(std::vector<float>(p.x.begin(), p.x.begin() + T * p.d)));
+        ex.upload(std::vector<int32_t>(p.expert.begin(), p.expert.begin() + T * p.K));
+        sc.upload(std::vector<float>(p.scores.begin(), p.scores.begin() + T * p.K));
+        w1.upload(to_bf16(std::vector<float>(p.w1.begin(), p.w1.begin() + w1.size())));
+        w2.upload(to_bf16(std::vector<float>(p.w2.begin(), p.w2.begin() + w2.size())));
+        smoe::EpForwardArgs f;
+        f.T = T, f.x = x.get(), f.expert = ex.get(), f.scores = sc.get(), f.w1 = w1.get(), f.w2 = w2.get();
+        f.out = out.get(), f.saved = saved.get(), f.saved_bytes = saved.bytes();
+        f.workspace = ws.get(), f.workspace_bytes = ws.bytes(), f.status = st.get();
+        const auto t0 = std::chrono::steady_clock::now();
+        s = smoe::ep_forward(ctx, f, nullptr);
+        if (!s.ok()) err[r] = s.message;
+        if (cudaDeviceSynchronize() != cudaSuccess) err[r] = "the timed-out call left a CUDA error";
+        seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        flags = st.download()[0].flags;
+        rank0_done = true;
+      } else {
+        while (!rank0_done) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      }
+      s = smoe::ep_destroy(ctx);
+      if (!s.ok()) err[r] += s.message;
+    });
+  for (auto& t : th) t.join();
+  for (auto c : comms) ncclCommDestroy(c);
+  for (int r = 0; r < g_world; ++r) ASSERT_TRUE(err[r].empty()) << err[r];
+  EXPECT_TRUE(flags & smoe::kStatusEpBarrierTimeout) << "flags " << flags;
+  EXPECT_LT(seconds, 30.0);
+  std::printf("  forward with an absent peer returned after %.2f s, flags 0x%x\n", seconds, flags);
 }
 
 TEST(GpuEp, BadConfigIsAnErrorOnEveryRankNoHang) {
