@@ -22,7 +22,6 @@ import argparse
 import json
 import math
 import os
-import statistics
 import sys
 
 import torch
@@ -30,7 +29,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from ep_baseline import (ep_moe, interleave, one_gpu_reference, route, swiglu_experts_grouped_mm,  # noqa: E402
-                         weights)
+                         timed, weights)
 
 NVLINK_GBS = 350.0   # LSA push per direction measured on the 2-GPU machine (multi-gpu-digest.md)
 
@@ -64,23 +63,6 @@ def ref_layer(x, wr, w1, w3, w2, K, E, bias):
 
 def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
-
-
-def timed(fn, warmup, reps):
-    for _ in range(warmup):
-        fn()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        dist.barrier()
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        t = torch.tensor([a.elapsed_time(b)], device="cuda")
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        ts.append(t.item())
-    return statistics.median(ts)
 
 
 def a2a_roundtrip(x, idx, s, E, group=None):

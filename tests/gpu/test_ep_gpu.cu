@@ -3,6 +3,7 @@
 // tested against the float64 reference in test_gpu), at fresh random inputs. Exits with 77
 // (CTest "Skipped") and says why when fewer than 2 Hopper GPUs are present.
 #include <algorithm>
+#include <functional>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -100,6 +101,19 @@ Problem make_problem(int d, int n, int E, int K, std::vector<int64_t> T, Routing
     }
   }
   return p;
+}
+
+// One thread per rank over a fresh communicator of all g_world GPUs (ncclCommInitAll), joined and
+// destroyed after: the scaffolding of every EP test.
+void on_every_rank(const std::function<void(int rank, ncclComm_t comm)>& body) {
+  std::vector<ncclComm_t> comms(g_world);
+  std::vector<int> devs(g_world);
+  for (int r = 0; r < g_world; ++r) devs[r] = r;
+  ASSERT_EQ(ncclCommInitAll(comms.data(), g_world, devs.data()), ncclSuccess);
+  std::vector<std::thread> th;
+  for (int r = 0; r < g_world; ++r) th.emplace_back(body, r, comms[r]);
+  for (auto& t : th) t.join();
+  for (auto c : comms) ncclCommDestroy(c);
 }
 
 struct Result {
@@ -266,17 +280,9 @@ void check_ep(const Problem& p, int64_t max_tokens, int repeats) {
   Result ref;
   run_one_gpu(p, &ref);
   if (::testing::Test::HasFatalFailure()) return;
-  std::vector<ncclComm_t> comms(g_world);
-  std::vector<int> devs(g_world);
-  for (int r = 0; r < g_world; ++r) devs[r] = r;
-  ASSERT_EQ(ncclCommInitAll(comms.data(), g_world, devs.data()), ncclSuccess);
   std::vector<Result> res(g_world);
   std::vector<std::string> err(g_world);
-  std::vector<std::thread> th;
-  for (int r = 0; r < g_world; ++r)
-    th.emplace_back(run_rank, std::cref(p), comms[r], r, max_tokens, repeats, &res[r], &err[r]);
-  for (auto& t : th) t.join();
-  for (auto c : comms) ncclCommDestroy(c);
+  on_every_rank([&](int r, ncclComm_t comm) { run_rank(p, comm, r, max_tokens, repeats, &res[r], &err[r]); });
   for (int r = 0; r < g_world; ++r) ASSERT_TRUE(err[r].empty()) << err[r];
   // Gather the ranks' results into the one-GPU layout and compare (bf16 bound: the EP combine adds
   // bf16 partials per rank, the one-GPU layer adds fp32 rows per entry).
@@ -336,48 +342,40 @@ TEST(GpuEp, RoundtripIsRanksTimesX) {
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed=" + std::to_string(seed));
   const Problem p = make_problem(192, 64, 8, 3, {333, 0}, Routing::kRandom, seed);  // rank 1: T = 0
-  std::vector<ncclComm_t> comms(g_world);
-  std::vector<int> devs(g_world);
-  for (int r = 0; r < g_world; ++r) devs[r] = r;
-  ASSERT_EQ(ncclCommInitAll(comms.data(), g_world, devs.data()), ncclSuccess);
   std::vector<std::vector<float>> outs(g_world);
   std::vector<std::string> err(g_world);
-  std::vector<std::thread> th;
-  for (int r = 0; r < g_world; ++r)
-    th.emplace_back([&, r] {
-      cudaSetDevice(r);
-      smoe::EpConfig c;
-      c.max_tokens = 400, c.d = p.d, c.n = p.n, c.E = p.E, c.K = p.K;
-      smoe::EpContext* ctx = nullptr;
-      smoe::Status s = smoe::ep_create(comms[r], c, &ctx);
+  on_every_rank([&](int r, ncclComm_t comm) {
+    cudaSetDevice(r);
+    smoe::EpConfig c;
+    c.max_tokens = 400, c.d = p.d, c.n = p.n, c.E = p.E, c.K = p.K;
+    smoe::EpContext* ctx = nullptr;
+    smoe::Status s = smoe::ep_create(comm, c, &ctx);
+    if (!s.ok()) { err[r] = s.message; return; }
+    int64_t t0 = 0;
+    for (int q = 0; q < r; ++q) t0 += p.T[q];
+    const int64_t T = p.T[r];
+    DeviceBuffer<bf16> x(T * p.d), out(T * p.d);
+    DeviceBuffer<int32_t> ex(T * p.K);
+    DeviceBuffer<char> ws(smoe::ep_roundtrip_workspace_size(ctx, T));
+    DeviceBuffer<smoe::DeviceStatus> st(1);
+    smoe::reset_device_status(st.get(), nullptr);
+    if (T > 0) {
+      x.upload(to_bf16(std::vector<float>(p.x.begin() + t0 * p.d, p.x.begin() + (t0 + T) * p.d)));
+      ex.upload(std::vector<int32_t>(p.expert.begin() + t0 * p.K, p.expert.begin() + (t0 + T) * p.K));
+    }
+    for (int rep = 0; rep < 3; ++rep) {
+      out.poison();
+      smoe::EpRoundtripArgs a;
+      a.T = T, a.x = x.get(), a.expert = ex.get(), a.out = out.get();
+      a.workspace = ws.get(), a.workspace_bytes = ws.bytes(), a.status = st.get();
+      s = smoe::ep_roundtrip(ctx, a, nullptr);
       if (!s.ok()) { err[r] = s.message; return; }
-      int64_t t0 = 0;
-      for (int q = 0; q < r; ++q) t0 += p.T[q];
-      const int64_t T = p.T[r];
-      DeviceBuffer<bf16> x(T * p.d), out(T * p.d);
-      DeviceBuffer<int32_t> ex(T * p.K);
-      DeviceBuffer<char> ws(smoe::ep_roundtrip_workspace_size(ctx, T));
-      DeviceBuffer<smoe::DeviceStatus> st(1);
-      smoe::reset_device_status(st.get(), nullptr);
-      if (T > 0) {
-        x.upload(to_bf16(std::vector<float>(p.x.begin() + t0 * p.d, p.x.begin() + (t0 + T) * p.d)));
-        ex.upload(std::vector<int32_t>(p.expert.begin() + t0 * p.K, p.expert.begin() + (t0 + T) * p.K));
-      }
-      for (int rep = 0; rep < 3; ++rep) {
-        out.poison();
-        smoe::EpRoundtripArgs a;
-        a.T = T, a.x = x.get(), a.expert = ex.get(), a.out = out.get();
-        a.workspace = ws.get(), a.workspace_bytes = ws.bytes(), a.status = st.get();
-        s = smoe::ep_roundtrip(ctx, a, nullptr);
-        if (!s.ok()) { err[r] = s.message; return; }
-      }
-      cudaDeviceSynchronize();
-      outs[r] = to_float(out.download());
-      s = smoe::ep_destroy(ctx);
-      if (!s.ok()) err[r] = s.message;
-    });
-  for (auto& t : th) t.join();
-  for (auto c : comms) ncclCommDestroy(c);
+    }
+    cudaDeviceSynchronize();
+    outs[r] = to_float(out.download());
+    s = smoe::ep_destroy(ctx);
+    if (!s.ok()) err[r] = s.message;
+  });
   for (int r = 0; r < g_world; ++r) ASSERT_TRUE(err[r].empty()) << err[r];
   const int El = p.E / g_world;
   int64_t t0 = 0;
@@ -405,57 +403,49 @@ TEST(GpuEp, PeerThatNeverArrivesTimesOut) {
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed=" + std::to_string(seed));
   const Problem p = make_problem(128, 64, 8, 2, {100, 100}, Routing::kRandom, seed);
-  std::vector<ncclComm_t> comms(g_world);
-  std::vector<int> devs(g_world);
-  for (int r = 0; r < g_world; ++r) devs[r] = r;
-  ASSERT_EQ(ncclCommInitAll(comms.data(), g_world, devs.data()), ncclSuccess);
   std::vector<std::string> err(g_world);
   uint32_t flags = 0;
   double seconds = 0;
   std::atomic<bool> rank0_done{false};  // rank 1 frees its window only after rank 0's call ended
-  std::vector<std::thread> th;
-  for (int r = 0; r < g_world; ++r)
-    th.emplace_back([&, r] {
-      cudaSetDevice(r);
-      smoe::EpConfig c;
-      c.max_tokens = 128, c.d = p.d, c.n = p.n, c.E = p.E, c.K = p.K;
-      c.barrier_timeout_ms = 300;
-      smoe::EpContext* ctx = nullptr;
-      smoe::Status s = smoe::ep_create(comms[r], c, &ctx);
-      if (!s.ok()) { err[r] = s.message; rank0_done = true; return; }
-      if (r == 0) {  // only rank 0 calls forward
-        const int64_t T = p.T[0];
-        const int El = p.E / g_world;
-        DeviceBuffer<bf16> x(T * p.d), out(T * p.d), w1(El * 2 * p.n * p.d), w2(El * p.d * p.n);
-        DeviceBuffer<int32_t> ex(T * p.K);
-        DeviceBuffer<float> sc(T * p.K);
-        DeviceBuffer<char> saved(smoe::ep_saved_state_size(ctx, T)), ws(smoe::ep_forward_workspace_size(ctx, T));
-        DeviceBuffer<smoe::DeviceStatus> st(1);
-        smoe::reset_device_status(st.get(), nullptr);
-        x.upload(to_bf16(std::vector<float>(p.x.begin(), p.x.begin() + T * p.d)));
-        ex.upload(std::vector<int32_t>(p.expert.begin(), p.expert.begin() + T * p.K));
-        sc.upload(std::vector<float>(p.scores.begin(), p.scores.begin() + T * p.K));
-        w1.upload(to_bf16(std::vector<float>(p.w1.begin(), p.w1.begin() + w1.size())));
-        w2.upload(to_bf16(std::vector<float>(p.w2.begin(), p.w2.begin() + w2.size())));
-        smoe::EpForwardArgs f;
-        f.T = T, f.x = x.get(), f.expert = ex.get(), f.scores = sc.get(), f.w1 = w1.get(), f.w2 = w2.get();
-        f.out = out.get(), f.saved = saved.get(), f.saved_bytes = saved.bytes();
-        f.workspace = ws.get(), f.workspace_bytes = ws.bytes(), f.status = st.get();
-        const auto t0 = std::chrono::steady_clock::now();
-        s = smoe::ep_forward(ctx, f, nullptr);
-        if (!s.ok()) err[r] = s.message;
-        if (cudaDeviceSynchronize() != cudaSuccess) err[r] = "the timed-out call left a CUDA error";
-        seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-        flags = st.download()[0].flags;
-        rank0_done = true;
-      } else {
-        while (!rank0_done) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-      }
-      s = smoe::ep_destroy(ctx);
-      if (!s.ok()) err[r] += s.message;
-    });
-  for (auto& t : th) t.join();
-  for (auto c : comms) ncclCommDestroy(c);
+  on_every_rank([&](int r, ncclComm_t comm) {
+    cudaSetDevice(r);
+    smoe::EpConfig c;
+    c.max_tokens = 128, c.d = p.d, c.n = p.n, c.E = p.E, c.K = p.K;
+    c.barrier_timeout_ms = 300;
+    smoe::EpContext* ctx = nullptr;
+    smoe::Status s = smoe::ep_create(comm, c, &ctx);
+    if (!s.ok()) { err[r] = s.message; rank0_done = true; return; }
+    if (r == 0) {  // only rank 0 calls forward
+      const int64_t T = p.T[0];
+      const int El = p.E / g_world;
+      DeviceBuffer<bf16> x(T * p.d), out(T * p.d), w1(El * 2 * p.n * p.d), w2(El * p.d * p.n);
+      DeviceBuffer<int32_t> ex(T * p.K);
+      DeviceBuffer<float> sc(T * p.K);
+      DeviceBuffer<char> saved(smoe::ep_saved_state_size(ctx, T)), ws(smoe::ep_forward_workspace_size(ctx, T));
+      DeviceBuffer<smoe::DeviceStatus> st(1);
+      smoe::reset_device_status(st.get(), nullptr);
+      x.upload(to_bf16(std::vector<float>(p.x.begin(), p.x.begin() + T * p.d)));
+      ex.upload(std::vector<int32_t>(p.expert.begin(), p.expert.begin() + T * p.K));
+      sc.upload(std::vector<float>(p.scores.begin(), p.scores.begin() + T * p.K));
+      w1.upload(to_bf16(std::vector<float>(p.w1.begin(), p.w1.begin() + w1.size())));
+      w2.upload(to_bf16(std::vector<float>(p.w2.begin(), p.w2.begin() + w2.size())));
+      smoe::EpForwardArgs f;
+      f.T = T, f.x = x.get(), f.expert = ex.get(), f.scores = sc.get(), f.w1 = w1.get(), f.w2 = w2.get();
+      f.out = out.get(), f.saved = saved.get(), f.saved_bytes = saved.bytes();
+      f.workspace = ws.get(), f.workspace_bytes = ws.bytes(), f.status = st.get();
+      const auto t0 = std::chrono::steady_clock::now();
+      s = smoe::ep_forward(ctx, f, nullptr);
+      if (!s.ok()) err[r] = s.message;
+      if (cudaDeviceSynchronize() != cudaSuccess) err[r] = "the timed-out call left a CUDA error";
+      seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      flags = st.download()[0].flags;
+      rank0_done = true;
+    } else {
+      while (!rank0_done) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    s = smoe::ep_destroy(ctx);
+    if (!s.ok()) err[r] += s.message;
+  });
   for (int r = 0; r < g_world; ++r) ASSERT_TRUE(err[r].empty()) << err[r];
   EXPECT_TRUE(flags & smoe::kStatusEpBarrierTimeout) << "flags " << flags;
   EXPECT_LT(seconds, 30.0);
@@ -463,33 +453,25 @@ TEST(GpuEp, PeerThatNeverArrivesTimesOut) {
 }
 
 TEST(GpuEp, BadConfigIsAnErrorOnEveryRankNoHang) {
-  std::vector<ncclComm_t> comms(g_world);
-  std::vector<int> devs(g_world);
-  for (int r = 0; r < g_world; ++r) devs[r] = r;
-  ASSERT_EQ(ncclCommInitAll(comms.data(), g_world, devs.data()), ncclSuccess);
   std::vector<std::string> err(g_world);
-  std::vector<std::thread> th;
-  for (int r = 0; r < g_world; ++r)
-    th.emplace_back([&, r] {
-      cudaSetDevice(r);
-      smoe::EpConfig c;
-      c.max_tokens = 64;
-      c.d = 64;
-      c.n = 64;
-      c.E = 8;
-      c.K = 2;
-      if (r == 1) c.d = 128;  // ranks disagree
-      smoe::EpContext* ctx = nullptr;
-      smoe::Status s = smoe::ep_create(comms[r], c, &ctx);
-      err[r] = s.ok() ? "" : s.message;
-      smoe::ep_destroy(ctx);
-      c.d = 64;
-      c.E = 2 * g_world + 1;  // not a multiple of the world size (every rank)
-      s = smoe::ep_create(comms[r], c, &ctx);
-      err[r] += s.ok() ? "|ok" : "|" + s.message;
-    });
-  for (auto& t : th) t.join();
-  for (auto c : comms) ncclCommDestroy(c);
+  on_every_rank([&](int r, ncclComm_t comm) {
+    cudaSetDevice(r);
+    smoe::EpConfig c;
+    c.max_tokens = 64;
+    c.d = 64;
+    c.n = 64;
+    c.E = 8;
+    c.K = 2;
+    if (r == 1) c.d = 128;  // ranks disagree
+    smoe::EpContext* ctx = nullptr;
+    smoe::Status s = smoe::ep_create(comm, c, &ctx);
+    err[r] = s.ok() ? "" : s.message;
+    smoe::ep_destroy(ctx);
+    c.d = 64;
+    c.E = 2 * g_world + 1;  // not a multiple of the world size (every rank)
+    s = smoe::ep_create(comm, c, &ctx);
+    err[r] += s.ok() ? "|ok" : "|" + s.message;
+  });
   for (int r = 0; r < g_world; ++r) {
     EXPECT_NE(err[r].find("differs from rank"), std::string::npos) << err[r];
     EXPECT_NE(err[r].find("config.E = "), std::string::npos) << err[r];

@@ -21,6 +21,21 @@ def _free_port():
         return s.getsockname()[1]
 
 
+def _spawn2(target, *args):
+    """Runs target(rank, 2, port, *args, queue) in 2 processes; returns their queue items by rank."""
+    import torch.multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=target, args=(r, 2, port, *args, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = [q.get(timeout=300) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+    return sorted(got, key=lambda r: r[0])
+
+
 def rel_l2(a, b):
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
@@ -82,18 +97,9 @@ def test_ep2_matches_one_gpu(T, d, n, E, K):
     from smoe_torch import ep as sep
     if sep._ep is None:
         pytest.skip("smoe_torch built without expert parallelism (no NCCL)")
-    import torch.multiprocessing as mp
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
     seed = random.randrange(1 << 30)
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, 2, port, seed, T, d, n, E, K, q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    got = [q.get(timeout=300) for _ in procs]
-    for p in procs:
-        p.join(timeout=60)
-    for rank, errs, same, finite, empty_zero in sorted(got, key=lambda r: r[0]):
+    got = _spawn2(_worker, seed, T, d, n, E, K)
+    for rank, errs, same, finite, empty_zero in got:
         assert not isinstance(errs, str), f"rank {rank} (seed {seed}): {errs}"
         names = ("out", "dx", "dscores", "dw1", "dw2")
         assert all(e < 1e-2 for e in errs), f"rank {rank} (seed {seed}): " + ", ".join(
@@ -151,17 +157,8 @@ def test_ep2_module_matches_one_gpu_module():
     from smoe_torch import ep as sep
     if sep._ep is None:
         pytest.skip("smoe_torch built without expert parallelism (no NCCL)")
-    import torch.multiprocessing as mp
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
     seed = random.randrange(1 << 30)
-    port = _free_port()
-    procs = [ctx.Process(target=_module_worker, args=(r, 2, port, seed, q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    got = [q.get(timeout=300) for _ in procs]
-    for p in procs:
-        p.join(timeout=60)
+    got = _spawn2(_module_worker, seed)
     for rank, errs in got:
         assert not isinstance(errs, str), f"rank {rank} (seed {seed}): {errs}"
         assert all(e < 2e-2 for e in errs), f"rank {rank} (seed {seed}): out, dx, dw_router, dw1, dw2, dw3 = {errs}"
