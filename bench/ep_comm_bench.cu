@@ -101,6 +101,7 @@ void run_rank(ncclComm_t comm, int rank, int world, Point p, int reps, RankResul
   a.world = R;
   a.T = p.T;
   a.Tmax = p.T;
+  a.cap = ctx->recv_capacity;
   a.d = p.d;
   a.K = p.K;
   a.E = p.E;

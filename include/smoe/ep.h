@@ -48,17 +48,26 @@ struct EpConfig {
   // the call's DeviceStatus and the call's kernels skip their remaining communication (the results
   // of that call are invalid and the context must be destroyed). 0: wait without limit.
   int barrier_timeout_ms = 0;
+  // Received tokens a rank's buffers hold (the local layer's T; its saved state is sized by it).
+  // 0: world * max_tokens, the worst case, so nothing is ever dropped. Smaller (a capacity factor,
+  // e.g. 1.25 * max_tokens for balanced routing) bounds memory: a token whose receive slot on rank q
+  // is past the capacity is not sent to q (its entries on q's experts contribute nothing and get
+  // dscores 0), the forward sets kStatusEpCapacityExceeded, and which tokens drop is deterministic
+  // (slots are ordered by source rank, then token).
+  int64_t recv_capacity = 0;
 };
 
 // DeviceStatus flag of the EP calls (beside smoe.h's DeviceStatusFlag values).
 constexpr uint32_t kStatusEpBarrierTimeout = 1u << 8;
+constexpr uint32_t kStatusEpCapacityExceeded = 1u << 9;  // tokens were dropped (EpConfig::recv_capacity)
 
 struct EpContext;  // opaque
 
 // Collective over the communicator (every rank calls it, from its own thread or process, with its
 // device current). Checks that all ranks pass the same EpConfig (one all-gather and one host
 // synchronisation, at creation only), allocates and registers the symmetric windows (about
-// 3 R max_tokens d * 2 bytes per rank) and creates the device communicator.
+// (2 C + R max_tokens) d * 2 bytes per rank, C = the receive capacity) and creates the device
+// communicator.
 Status ep_create(ncclComm_t comm, const EpConfig& config, EpContext** out);
 // Collective too. Null is allowed.
 Status ep_destroy(EpContext* ctx);
@@ -67,7 +76,7 @@ struct EpInfo {
   int rank = 0, world = 0;
   int experts_per_rank = 0;  // E / R
   int local_slots = 0;       // min(K, E / R): slots of a received token
-  int64_t recv_capacity = 0; // R * max_tokens received tokens
+  int64_t recv_capacity = 0; // received tokens per rank (EpConfig::recv_capacity, or R * max_tokens)
   MoEShape local_shape;      // the local layer's shape (kProvided over recv_capacity tokens)
   size_t window_bytes = 0;   // symmetric memory per rank
 };

@@ -35,7 +35,7 @@ Status check_config(const EpConfig& c, int world) {
     return bad(concat("config.barrier_timeout_ms = ", c.barrier_timeout_ms, " must be >= 0"));
   if (c.comm_blocks < 1 || c.comm_blocks > kMaxCommBlocks)
     return bad(concat("config.comm_blocks = ", c.comm_blocks, " must be in [1, ", kMaxCommBlocks, "]"));
-  // The local layer runs over world * max_tokens received tokens: its shape rules apply.
+  // The local layer runs over the receive capacity (default world * max_tokens): its shape rules apply.
   MoEShape s;
   s.T = 0;
   s.d = c.d;
@@ -46,25 +46,29 @@ Status check_config(const EpConfig& c, int world) {
   int64_t recv = 0;
   if (!detail::checked_product({c.max_tokens, world}, INT64_MAX, &recv))
     return bad(concat("config.max_tokens * world overflows"));
-  s.T = recv;
+  if (c.recv_capacity < 0 || c.recv_capacity > recv)
+    return bad(concat("config.recv_capacity = ", c.recv_capacity, " must be in [0, world * max_tokens = ",
+                      recv, "] (0: world * max_tokens)"));
+  s.T = c.recv_capacity > 0 ? c.recv_capacity : recv;
   Status st = moe_can_implement(s);
   if (!st.ok())
-    return make_status(st.code, concat("ep_create: the local layer (T = world * max_tokens = ", recv,
+    return make_status(st.code, concat("ep_create: the local layer (T = the receive capacity = ", s.T,
                                        ", E = E / world) is not supported: ", st.message));
   return Status{};
 }
 
-EpWindowLayout window_layout(const EpConfig& c, int R, int Kl) {
+EpWindowLayout window_layout(const EpConfig& c, int R, int Kl, int64_t cap) {
   detail::Carver w(nullptr);
   EpWindowLayout l;
-  const size_t slots = size_t(R) * size_t(c.max_tokens);
+  const size_t slots = size_t(cap);                            // receive side
+  const size_t back = size_t(R) * size_t(c.max_tokens);        // combine side: [R][Tmax]
   l.counts = w.used(), w.take<int32_t>(size_t(R) * R);
   l.recv_x = w.used(), w.take<bf16>(slots * c.d);
   l.recv_dy = w.used(), w.take<bf16>(slots * c.d);
   l.meta_ids = w.used(), w.take<int32_t>(slots * Kl);
   l.meta_scores = w.used(), w.take<float>(slots * Kl);
-  l.comb = w.used(), w.take<bf16>(slots * c.d);
-  l.comb_ds = w.used(), w.take<float>(slots * Kl);
+  l.comb = w.used(), w.take<bf16>(back * c.d);
+  l.comb_ds = w.used(), w.take<float>(back * Kl);
   l.bytes = w.used();
   return l;
 }
@@ -88,19 +92,20 @@ Status ep_create(ncclComm_t comm, const EpConfig& config, EpContext** out) {
   // Every rank checks its own config first, then all ranks compare: a rank with a bad config
   // still joins the all-gather, so no peer hangs in it.
   Status local = check_config(config, world);
-  const int64_t mine[7] = {config.max_tokens, config.d, config.n, config.E, config.K,
-                           config.comm_blocks, local.ok() ? 1 : 0};
+  constexpr int kFields = 8;  // the EpConfig fields every rank must agree on, then "config valid"
+  const int64_t mine[kFields] = {config.max_tokens, config.d, config.n, config.E, config.K,
+                                 config.comm_blocks, config.recv_capacity, local.ok() ? 1 : 0};
   // (barrier_timeout_ms may differ between ranks: it only bounds this rank's own waits.)
   int64_t* dev = nullptr;
   SMOE_CUDA_RETURN(cudaMalloc(&dev, sizeof(mine) * (world + 1)));
-  std::vector<int64_t> all(7 * size_t(world));
+  std::vector<int64_t> all(kFields * size_t(world));
   cudaStream_t s = nullptr;
   cudaError_t ce = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
   if (ce == cudaSuccess) ce = cudaMemcpyAsync(dev, mine, sizeof(mine), cudaMemcpyHostToDevice, s);
   ncclResult_t nr = ncclSuccess;
-  if (ce == cudaSuccess) nr = ncclAllGather(dev, dev + 7, 7, ncclInt64, comm, s);
+  if (ce == cudaSuccess) nr = ncclAllGather(dev, dev + kFields, kFields, ncclInt64, comm, s);
   if (ce == cudaSuccess && nr == ncclSuccess)
-    ce = cudaMemcpyAsync(all.data(), dev + 7, sizeof(int64_t) * all.size(), cudaMemcpyDeviceToHost, s);
+    ce = cudaMemcpyAsync(all.data(), dev + kFields, sizeof(int64_t) * all.size(), cudaMemcpyDeviceToHost, s);
   if (ce == cudaSuccess) ce = cudaStreamSynchronize(s);
   if (s) cudaStreamDestroy(s);
   cudaFree(dev);
@@ -108,17 +113,17 @@ Status ep_create(ncclComm_t comm, const EpConfig& config, EpContext** out) {
   SMOE_NCCL_RETURN(nr);
   SMOE_RETURN_IF_ERROR(local);
   for (int r = 0; r < world; ++r) {
-    const int64_t* o = &all[7 * size_t(r)];
-    if (o[6] == 0)
+    const int64_t* o = &all[kFields * size_t(r)];
+    if (o[kFields - 1] == 0)
       return make_status(StatusCode::kInvalidArgument,
                          concat("ep_create: rank ", r, " passed an invalid EpConfig"));
-    if (std::memcmp(o, mine, 6 * sizeof(int64_t)) != 0)
+    if (std::memcmp(o, mine, (kFields - 1) * sizeof(int64_t)) != 0)
       return make_status(StatusCode::kInvalidArgument,
                          concat("ep_create: rank ", r, "'s EpConfig (max_tokens ", o[0], ", d ", o[1],
                                 ", n ", o[2], ", E ", o[3], ", K ", o[4], ", comm_blocks ", o[5],
-                                ") differs from rank ", rank, "'s (", mine[0], ", ", mine[1], ", ",
-                                mine[2], ", ", mine[3], ", ", mine[4], ", ", mine[5],
-                                "): every rank must pass the same"));
+                                ", recv_capacity ", o[6], ") differs from rank ", rank, "'s (", mine[0],
+                                ", ", mine[1], ", ", mine[2], ", ", mine[3], ", ", mine[4], ", ", mine[5],
+                                ", ", mine[6], "): every rank must pass the same"));
   }
 
   auto* c = new EpContext;
@@ -129,8 +134,8 @@ Status ep_create(ncclComm_t comm, const EpConfig& config, EpContext** out) {
   c->device = device;
   c->experts_per_rank = config.E / world;
   c->local_slots = config.K < c->experts_per_rank ? config.K : c->experts_per_rank;
-  c->recv_capacity = int64_t(world) * config.max_tokens;
-  c->layout = window_layout(config, world, c->local_slots);
+  c->recv_capacity = config.recv_capacity > 0 ? config.recv_capacity : int64_t(world) * config.max_tokens;
+  c->layout = window_layout(config, world, c->local_slots, c->recv_capacity);
   c->local_shape.T = c->recv_capacity;
   c->local_shape.d = config.d;
   c->local_shape.n = config.n;

@@ -12,10 +12,10 @@ namespace smoe {
 // peer's region is ncclGetLsaPointer(window, offset, peer).
 struct EpWindowLayout {
   size_t counts = 0;      // [R][R] int32: row s = tokens source s sends to each rank
-  size_t recv_x = 0;      // [R*Tmax][d] bf16: received x (forward and backward)
-  size_t recv_dy = 0;     // [R*Tmax][d] bf16: received dout (backward)
-  size_t meta_ids = 0;    // [R*Tmax][Kl] int32: local expert ids of a received token, -1 = none
-  size_t meta_scores = 0; // [R*Tmax][Kl] fp32
+  size_t recv_x = 0;      // [C][d] bf16: received x (forward and backward), C = receive capacity
+  size_t recv_dy = 0;     // [C][d] bf16: received dout (backward)
+  size_t meta_ids = 0;    // [C][Kl] int32: local expert ids of a received token, -1 = none
+  size_t meta_scores = 0; // [C][Kl] fp32
   size_t comb = 0;        // [R][Tmax][d] bf16: partial rows returned by rank q (row q)
   size_t comb_ds = 0;     // [R][Tmax][Kl] fp32: dL/dscores returned by rank q
   size_t bytes = 0;
@@ -47,6 +47,7 @@ struct EpKernelArgs {
   char* local;          // this rank's window base
   int rank, world;
   int64_t T, Tmax;
+  int64_t cap;          // receive slots per rank (slots at or past it are not sent)
   int d, K, E, El, Kl;  // El experts per rank, Kl slots per received token
   uint64_t timeout_cycles;  // barrier deadline in SM clock cycles, 0 = none
   uint32_t* flags;          // DeviceStatus::flags of the call (may be null)
@@ -68,8 +69,8 @@ cudaError_t launch_dispatch(const EpKernelArgs& a, const int32_t* all_counts,
                             const int32_t* send_pos, const bf16* x, const bf16* dy,
                             const int32_t* expert, const float* scores, bool start_barrier,
                             int blocks, cudaStream_t stream);
-// Combine push: rows of y (local layer output, [R*Tmax][d], slot order) received from source
-// s != rank go back to s's comb region row `rank`; ds ([R*Tmax][Kl]) likewise when not null.
+// Combine push: rows of y (local layer output, [cap][d], slot order) received from source
+// s != rank go back to s's comb region row `rank`; ds ([cap][Kl]) likewise when not null.
 cudaError_t launch_combine(const EpKernelArgs& a, const int32_t* all_counts, const bf16* y,
                            const float* ds, int blocks, cudaStream_t stream);
 // Combine reduce (local): out[t] = sum over ranks q ascending of q's partial row (this rank's

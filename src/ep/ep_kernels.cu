@@ -170,6 +170,7 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_kernel(
   const int64_t warp = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   const int64_t nwarps = (int64_t(gridDim.x) * blockDim.x) >> 5;
   const int vpr = a.d / 8;  // 16-byte vectors per row
+  bool dropped = false;     // a slot past the receive capacity (EpConfig::recv_capacity)
   for (int64_t t = warp; t < a.T; t += nwarps) {
     const uint4* xs = reinterpret_cast<const uint4*>(x) + t * vpr;
     const uint4* ys = dy ? reinterpret_cast<const uint4*>(dy) + t * vpr : nullptr;
@@ -177,6 +178,10 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_kernel(
       const int pos = send_pos[q * a.T + t];
       if (pos < 0) continue;
       const int64_t slot = base[q] + pos;
+      if (slot >= a.cap) {
+        dropped = true;
+        continue;
+      }
       uint4* xd = reinterpret_cast<uint4*>(peer[q] + a.lay.recv_x) + slot * vpr;
       for (int v = lane; v < vpr; v += 32) xd[v] = xs[v];
       if (ys) {
@@ -208,13 +213,16 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_kernel(
   if (!dy && scores) {  // forward: this rank's slots past the received tokens route nowhere
     int32_t* my_ids = reinterpret_cast<int32_t*>(a.local + a.lay.meta_ids);
     float* my_sc = reinterpret_cast<float*>(a.local + a.lay.meta_scores);
-    const int64_t end = int64_t(R) * a.Tmax * a.Kl;
-    for (int64_t i = recv_total * a.Kl + int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < end;
+    const int64_t end = a.cap * a.Kl;
+    const int64_t used = recv_total < a.cap ? recv_total : a.cap;
+    for (int64_t i = used * a.Kl + int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < end;
          i += int64_t(gridDim.x) * blockDim.x) {
       my_ids[i] = -1;
       my_sc[i] = 0.f;
     }
   }
+  if (__syncthreads_or(dropped) && !dy && threadIdx.x == 0 && a.flags != nullptr)
+    atomicOr(a.flags, kStatusEpCapacityExceeded);
   ep_sync(bar, cuda::memory_order_acq_rel, a);
 }
 
@@ -231,7 +239,9 @@ __global__ void __launch_bounds__(kCommThreads) combine_kernel(EpKernelArgs a,
   const int vpr = a.d / 8;
   int64_t base = 0;
   for (int s = 0; s < R; ++s) {
-    const int64_t cnt = all_counts[s * R + a.rank];
+    const int64_t got = all_counts[s * R + a.rank];
+    // Rows of s that fit in the receive capacity (the rest were never sent).
+    const int64_t cnt = base >= a.cap ? 0 : (got < a.cap - base ? got : a.cap - base);
     if (s != a.rank) {
       char* p = static_cast<char*>(ncclGetLsaPointer(a.window, 0, s));
       uint4* dst = reinterpret_cast<uint4*>(p + a.lay.comb) + int64_t(a.rank) * a.Tmax * vpr;
@@ -246,7 +256,7 @@ __global__ void __launch_bounds__(kCommThreads) combine_kernel(EpKernelArgs a,
           dd[i] = sd[i];
       }
     }
-    base += cnt;
+    base += got;
   }
   ep_sync(bar, cuda::memory_order_acq_rel, a);
 }
@@ -257,8 +267,16 @@ __global__ void __launch_bounds__(256) reduce_kernel(EpKernelArgs a, const int32
                                                      bf16* out, const float* ds,
                                                      const int32_t* ids, float* dscores) {
   const int R = a.world;
-  int64_t base_self = 0;
-  for (int s = 0; s < a.rank; ++s) base_self += all_counts[s * R + a.rank];
+  // base_on[q]: where this rank's tokens start among q's receive slots; a slot at or past the
+  // capacity was not sent (the token's entries on q contribute nothing).
+  int64_t base_on[kMaxRanks];
+#pragma unroll
+  for (int q = 0; q < kMaxRanks; ++q) {
+    base_on[q] = 0;
+    if (q < R)
+      for (int s = 0; s < a.rank; ++s) base_on[q] += all_counts[s * R + q];
+  }
+  const int64_t base_self = base_on[a.rank < kMaxRanks ? a.rank : 0];
   const int lane = threadIdx.x & 31;
   const int64_t warp = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   const int64_t nwarps = (int64_t(gridDim.x) * blockDim.x) >> 5;
@@ -271,6 +289,7 @@ __global__ void __launch_bounds__(256) reduce_kernel(EpKernelArgs a, const int32
 #pragma unroll
     for (int q = 0; q < kMaxRanks; ++q) {
       pos[q] = q < R ? send_pos[q * a.T + t] : -1;
+      if (pos[q] >= 0 && base_on[q] + pos[q] >= a.cap) pos[q] = -1;
       src[q] = pos[q] < 0 ? nullptr
                : q == a.rank
                    ? reinterpret_cast<const uint4*>(y) + (base_self + pos[q]) * vpr
@@ -296,8 +315,9 @@ __global__ void __launch_bounds__(256) reduce_kernel(EpKernelArgs a, const int32
             if (f >= 0 && f / a.El == q) ++j;
           }
           const int p = send_pos[q * a.T + t];
-          val = q == a.rank ? ds[(base_self + p) * a.Kl + j]
-                            : comb_ds[(int64_t(q) * a.Tmax + p) * a.Kl + j];
+          if (base_on[q] + p < a.cap)
+            val = q == a.rank ? ds[(base_self + p) * a.Kl + j]
+                              : comb_ds[(int64_t(q) * a.Tmax + p) * a.Kl + j];
         }
         dscores[t * a.K + k] = val;
       }

@@ -121,6 +121,7 @@ ep::EpKernelArgs kernel_args(const EpContext* c, int64_t T, DeviceStatus* status
   a.world = c->world;
   a.T = T;
   a.Tmax = c->config.max_tokens;
+  a.cap = c->recv_capacity;
   a.d = c->config.d;
   a.K = c->config.K;
   a.E = c->config.E;

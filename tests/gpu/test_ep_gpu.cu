@@ -179,7 +179,7 @@ void run_one_gpu(const Problem& p, Result* res) {
 
 // One rank of EP: `repeats` forward + backward calls; every repeat must be bitwise identical.
 void run_rank(const Problem& p, ncclComm_t comm, int rank, int64_t max_tokens, int repeats,
-              Result* res, std::string* err) {
+              int64_t capacity, uint32_t allowed_flags, Result* res, std::string* err) {
   auto fail = [&](const std::string& m) { *err = "rank " + std::to_string(rank) + ": " + m; };
   if (cudaSetDevice(rank) != cudaSuccess) return fail("cudaSetDevice");
   smoe::EpConfig cfg;
@@ -188,6 +188,7 @@ void run_rank(const Problem& p, ncclComm_t comm, int rank, int64_t max_tokens, i
   cfg.n = p.n;
   cfg.E = p.E;
   cfg.K = p.K;
+  cfg.recv_capacity = capacity;
   smoe::EpContext* ctx = nullptr;
   smoe::Status s = smoe::ep_create(comm, cfg, &ctx);
   if (!s.ok()) return fail(s.message);
@@ -270,19 +271,46 @@ void run_rank(const Problem& p, ncclComm_t comm, int rank, int64_t max_tokens, i
   }
   smoe::DeviceStatus hs{};
   cudaMemcpy(&hs, st.get(), sizeof hs, cudaMemcpyDeviceToHost);
-  if (hs.flags != 0) return fail("device status flags " + std::to_string(hs.flags));
+  if ((hs.flags & ~allowed_flags) != 0) return fail("device status flags " + std::to_string(hs.flags));
   cudaStreamDestroy(stream);
   s = smoe::ep_destroy(ctx);
   if (!s.ok()) return fail(s.message);
 }
 
-void check_ep(const Problem& p, int64_t max_tokens, int repeats) {
+// The entries a receive capacity drops: rank q's slots go to source ranks in order, each source's
+// tokens in order; a token whose slot on q is at or past the capacity loses its entries on q.
+std::vector<int32_t> ids_after_capacity(const Problem& p, int64_t capacity, bool* any_dropped) {
+  std::vector<int32_t> ids = p.expert;
+  *any_dropped = false;
+  if (capacity <= 0) return ids;
+  const int El = p.E / g_world;
+  std::vector<int64_t> used(g_world, 0);  // slots taken on each destination rank
+  for (int64_t t = 0; t < p.Ttot(); ++t)  // global token order = (source rank, token)
+    for (int q = 0; q < g_world; ++q) {
+      bool hit = false;
+      for (int k = 0; k < p.K; ++k) hit |= ids[t * p.K + k] >= 0 && ids[t * p.K + k] / El == q;
+      if (!hit) continue;
+      if (used[q]++ < capacity) continue;
+      *any_dropped = true;
+      for (int k = 0; k < p.K; ++k)
+        if (ids[t * p.K + k] >= 0 && ids[t * p.K + k] / El == q) ids[t * p.K + k] = -1;
+    }
+  return ids;
+}
+
+void check_ep(const Problem& p, int64_t max_tokens, int repeats, int64_t capacity = 0) {
+  bool dropped = false;
+  Problem pref = p;  // the one-GPU reference sees the routing without the dropped entries
+  pref.expert = ids_after_capacity(p, capacity, &dropped);
   Result ref;
-  run_one_gpu(p, &ref);
+  run_one_gpu(pref, &ref);
   if (::testing::Test::HasFatalFailure()) return;
   std::vector<Result> res(g_world);
   std::vector<std::string> err(g_world);
-  on_every_rank([&](int r, ncclComm_t comm) { run_rank(p, comm, r, max_tokens, repeats, &res[r], &err[r]); });
+  const uint32_t allowed = dropped ? smoe::kStatusEpCapacityExceeded : 0u;
+  on_every_rank([&](int r, ncclComm_t comm) {
+    run_rank(p, comm, r, max_tokens, repeats, capacity, allowed, &res[r], &err[r]);
+  });
   for (int r = 0; r < g_world; ++r) ASSERT_TRUE(err[r].empty()) << err[r];
   // Gather the ranks' results into the one-GPU layout and compare (bf16 bound: the EP combine adds
   // bf16 partials per rank, the one-GPU layer adds fp32 rows per entry).
@@ -302,9 +330,9 @@ void check_ep(const Problem& p, int64_t max_tokens, int repeats) {
     EXPECT_TRUE(all_finite(c.a)) << c.name << " has unwritten (poisoned) or non-finite elements";
     EXPECT_LT(rel_l2(c.a, c.b), 1e-2) << c.name;
   }
-  // Empty slots get exactly 0.
-  for (size_t i = 0; i < p.expert.size(); ++i)
-    if (p.expert[i] < 0) ASSERT_EQ(ep.dscores[i], 0.f) << "dscores of empty slot " << i;
+  // Empty and dropped slots get exactly 0.
+  for (size_t i = 0; i < pref.expert.size(); ++i)
+    if (pref.expert[i] < 0) ASSERT_EQ(ep.dscores[i], 0.f) << "dscores of empty or dropped slot " << i;
 }
 
 }  // namespace
@@ -328,6 +356,18 @@ TEST(GpuEp, HotExpertKOneAndEmptyRank) {
   SCOPED_TRACE("seed=" + std::to_string(seed));
   check_ep(make_problem(64, 64, 16, 4, {400, 0}, Routing::kHotExpert, seed), 400, 2);  // rank 1: T = 0
   check_ep(make_problem(64, 64, 4, 1, {129, 131}, Routing::kRandom, seed + 1), 160, 2);  // K = 1
+}
+
+// A receive capacity below the worst case: the tokens past it on a rank are dropped there,
+// deterministically, and the rest is exact (against one GPU without the dropped entries).
+TEST(GpuEp, ReceiveCapacityDropsDeterministically) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed=" + std::to_string(seed));
+  const Problem p = make_problem(128, 64, 8, 2, {300, 260}, Routing::kHotExpert, seed);
+  bool dropped = false;
+  ids_after_capacity(p, 330, &dropped);
+  ASSERT_TRUE(dropped) << "the hot expert's rank must receive more than the capacity";
+  check_ep(p, 300, 3, 330);
 }
 
 TEST(GpuEp, BitwiseRepeatable100) {
