@@ -27,7 +27,11 @@ except ImportError as _e:  # built without NCCL
 
 
 class EpGroup:
-    def __init__(self, max_tokens, d, n, num_experts, top_k, group=None, comm_blocks=32):
+    def __init__(self, max_tokens, d, n, num_experts, top_k, group=None, comm_blocks=32, recv_capacity=0,
+                 barrier_timeout_ms=0):
+        """recv_capacity: received tokens a rank holds (0: world * max_tokens, nothing dropped; smaller
+        drops the tokens past it deterministically and flags it, see smoe/ep.h).
+        barrier_timeout_ms: > 0 bounds every wait for a peer (a timed-out call's results are invalid)."""
         if _ep is None:
             raise RuntimeError(f"smoe_torch was built without expert parallelism: {_ep_import_error}")
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -38,7 +42,8 @@ class EpGroup:
         uid = [_ep.unique_id() if self.rank == 0 else None]
         dist.broadcast_object_list(uid, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
         dev = torch.cuda.current_device()
-        self.handle = _ep.create(uid[0], self.rank, self.world, dev, max_tokens, d, n, num_experts, top_k, comm_blocks)
+        self.handle = _ep.create(uid[0], self.rank, self.world, dev, max_tokens, d, n, num_experts, top_k, comm_blocks,
+                                 recv_capacity, barrier_timeout_ms)
         self.max_tokens, self.d, self.n, self.E, self.K = max_tokens, d, n, num_experts, top_k
         self.experts_per_rank = num_experts // self.world
 
@@ -47,6 +52,10 @@ class EpGroup:
         if self.handle:
             h, self.handle = self.handle, 0
             _ep.destroy(h)
+
+    def status_flags(self):
+        """The DeviceStatus flags of this group's calls (syncs): smoe/ep.h's kStatusEp* and smoe.h's."""
+        return int(_ep.status(self.handle)[:4].view(torch.int32).item()) & 0xffffffff
 
     def saved_state_bytes(self, T):
         return _ep.saved_state_size(self.handle, T)

@@ -41,10 +41,11 @@ pybind11::bytes unique_id() {
 }
 
 int64_t create(const std::string& uid, int64_t rank, int64_t world, int64_t device, int64_t max_tokens,
-               int64_t d, int64_t n, int64_t E, int64_t K, int64_t comm_blocks) {
+               int64_t d, int64_t n, int64_t E, int64_t K, int64_t comm_blocks, int64_t recv_capacity,
+               int64_t barrier_timeout_ms) {
   TORCH_CHECK(uid.size() == sizeof(ncclUniqueId::internal), "smoe: the NCCL unique id must have ",
               num(sizeof(ncclUniqueId::internal)), " bytes (got ", num(uid.size()), ")");
-  for (int64_t v : {d, n, E, K, comm_blocks, world, rank})
+  for (int64_t v : {d, n, E, K, comm_blocks, world, rank, barrier_timeout_ms})
     TORCH_CHECK(v >= 0 && v <= INT32_MAX, "smoe: EP sizes must fit in int32 (got ", num(v), ")");
   const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
   ncclUniqueId id;
@@ -62,6 +63,8 @@ int64_t create(const std::string& uid, int64_t rank, int64_t world, int64_t devi
   h->config.E = static_cast<int>(E);
   h->config.K = static_cast<int>(K);
   h->config.comm_blocks = static_cast<int>(comm_blocks);
+  h->config.recv_capacity = recv_capacity;
+  h->config.barrier_timeout_ms = static_cast<int>(barrier_timeout_ms);
   const smoe::Status s = smoe::ep_create(h->comm, h->config, &h->ctx);
   if (!s.ok()) {
     ncclCommDestroy(h->comm);
