@@ -5,6 +5,7 @@
 #   build   cmake build in build-device/ (all cores)       test   test_ep (C++, 2 GPUs)
 #   comm    ep_comm_bench: dispatch / combine bandwidth    torch  pip install . + tests/python/test_ep.py
 #   train   examples/ep_train under torchrun (EP = 2)      bench  bench/ep_baseline.py (EP_CONFIGS, EP_SYSTEMS)
+#   sanitize  compute-sanitizer memcheck on two small EP tests (NCCL's symmetric memory included)
 # Logs and results go to $OUT, and all of them into $OUT/device_ep.tgz.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -28,6 +29,8 @@ if has build; then
   ls build-device/test_ep build-device/ep_comm_bench >/dev/null 2>&1 || { echo "build failed"; grep -E "error" out/build.log | head; }
 fi
 has test && { step test 200 build-device/test_ep; grep -E "PASSED|FAILED|Failure|error" "$OUT/ep_test.log" | head -20; }
+has sanitize && { step sanitize 300 compute-sanitizer --tool memcheck --error-exitcode 9 build-device/test_ep \
+  --gtest_filter='GpuEp.RandomRoutingUnevenRanks:GpuEp.RoundtripIsRanksTimesX'; grep -E "ERROR SUMMARY|PASSED|FAILED" "$OUT/ep_sanitize.log" | head; }
 has comm && { step comm 200 build-device/ep_comm_bench --reps 20 --out "$OUT/ep_comm_$COMMIT.json"; tail -20 "$OUT/ep_comm.log"; }
 if has torch; then
   step pip 300 python3 -m pip install --no-build-isolation --no-deps -q .
