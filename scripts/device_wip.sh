@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Tries the work-in-progress patches of docs/wip/ on the GPU machine (device tool, kind nvidia-h200),
+# from the repository root, carrying .deps/googletest and the CUTLASS headers as device_check.sh:
+#   1. applies WIP_PATCHES (default: every docs/wip/*.patch) to the working copy;
+#   2. builds (scripts/device_check.sh with no test step);
+#   3. runs the GPU tests the patches touch (engine, layer, bad input), WIP_TEST_TIMEOUT seconds;
+#   4. cluster-n: bench_layer stage times (down_proj, dX_proj) with SMOE_ENGINE_CLUSTER=n2 against
+#      the default, on WIP_CONFIGS.
+# Logs to $OUT and $OUT/device_wip.tgz. Nothing is committed: land a patch only if its tests pass.
+set -uo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+OUT="${OUT:-$ROOT/out}"
+mkdir -p "$OUT"
+for p in ${WIP_PATCHES:-docs/wip/*.patch}; do
+  if git apply "$p" 2>/dev/null || patch -p1 --forward --silent < "$p"; then echo "applied $p"; else echo "FAILED to apply $p"; fi
+done
+STEPS=none bash scripts/device_check.sh 2>&1 | grep -E "build:|error" | head -20
+[ -x build-device/test_gpu ] || { echo "no test binary: build failed"; exit 1; }
+timeout "${WIP_TEST_TIMEOUT:-400}" build-device/test_gpu \
+  --gtest_filter='GpuEngine.*:GpuBadInput.*:GpuLayer.*:GpuLayerRouting.*' >"$OUT/wip_tests.log" 2>&1
+echo "tests rc=$?"
+grep -E "^\[  (PASSED|FAILED)|^\[  FAILED|Failure|Expected|Which is" "$OUT/wip_tests.log" | head -40
+CONFIGS="${WIP_CONFIGS:-1.4B n256 E128 K8,30B n256 E256 K16,OLMoE-7B,Qwen3-235B}"
+if [ -x build-device/bench_layer ] && ls docs/wip/cluster-n.patch >/dev/null 2>&1; then
+  for mode in default n2; do
+    if [ "$mode" = n2 ]; then export SMOE_ENGINE_CLUSTER=n2; else unset SMOE_ENGINE_CLUSTER; fi
+    timeout 200 build-device/bench_layer --only "$CONFIGS" --warmup 2 --reps 5 >"$OUT/wip_bench_$mode.log" 2>&1
+    echo "== $mode"; grep -oE "^[^ ].*|down_proj=[0-9.]+|dX_proj=[0-9.]+" "$OUT/wip_bench_$mode.log" | head -40
+  done
+  unset SMOE_ENGINE_CLUSTER
+fi
+tar czf "$OUT/device_wip.tgz" -C "$OUT" $(cd "$OUT" && ls wip_* 2>/dev/null) 2>/dev/null || true
