@@ -110,7 +110,7 @@ struct EpBackwardArgs {
   const bf16* dout = nullptr;       // [T][d]
   const void* saved = nullptr;      // written by ep_forward
   size_t saved_bytes = 0;
-  DeviceStatus* status = nullptr;   // optional: where a barrier timeout is reported
+  DeviceStatus* status = nullptr;   // optional: where a barrier timeout or a bad saved state is reported
   bf16* dx = nullptr;               // [T][d] the expert path (the router's part is the caller's)
   bf16* dw1 = nullptr;              // [E/R][2n][d] overwritten
   bf16* dw2 = nullptr;              // [E/R][d][n] overwritten

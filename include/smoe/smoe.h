@@ -86,6 +86,8 @@ enum DeviceStatusFlag : uint32_t {
   kStatusDuplicateExpert = 1u << 2,    // provided routing: a token listed an expert twice (later
                                        // slot dropped)
   kStatusNonFiniteScores = 1u << 3,    // provided routing: a NaN or +-Inf score
+  kStatusBadSavedState = 1u << 4,      // backward: `saved` was not written by moe_forward for this
+                                       // shape (every gradient is NaN, no saved index was read)
 };
 
 struct DeviceStatus {
@@ -249,7 +251,11 @@ struct MoEWeights {
   const bf16* w2 = nullptr;        // [E][d][n]
 };
 
-// What forward keeps for backward lives in one caller buffer of saved_state_size(shape) bytes:
+// What forward keeps for backward lives in one caller buffer of saved_state_size(shape) bytes. It
+// starts with a 256-byte stamp (magic, shape, size) that forward clears first and writes last;
+// backward checks it on the device before it reads any saved index: a buffer forward did not
+// complete for this shape makes every gradient NaN and sets kStatusBadSavedState (in
+// MoEBackwardArgs::status, when given), never an out-of-range read. The rest of the buffer:
 // H [TK][2n] bf16 (pre-activation), scores, topk experts and the routing metadata: about
 // 4*T*K*n + O(T*K) bytes. Nothing of size O(T*K*d) is kept; x is the caller's own tensor.
 // The size queries return 0 for a shape moe_can_implement rejects. The backward workspace holds
@@ -322,6 +328,7 @@ struct MoEBackwardArgs {
                                // holds the expert path only (the caller's router adds its part).
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
+  DeviceStatus* status = nullptr;  // optional: where a bad saved state is reported (kStatusBadSavedState)
 };
 
 Status moe_forward(const MoEForwardArgs& args, cudaStream_t stream);

@@ -40,7 +40,8 @@ def saved_state_bytes(T, n, E, K, router=0, rounding=0, tile=128):
     rows = tk
     if router == 1 and rounding != 2:   # token rounding (not DOWN): worst case of the rounded counts
         rows = torch.sym_min(T * E, tk + E * (tile - 1))
-    b = _align(rows * 2 * n * 2) + _align(rows * 4) + _align(tk * 4)
+    b = _align(32)                                  # the stamp (magic, shape hash, size)
+    b += _align(rows * 2 * n * 2) + _align(rows * 4) + _align(tk * 4)
     if router == 1:
         b += _align(rows * 4) + _align(tk * 4)      # entry experts, top-K scores
     b += 3 * _align(rows * 4) + _align((T + 1) * 4) + _align(E * 4) + _align((E + 1) * 4)

@@ -72,9 +72,12 @@ int pingpong_max_k() {
   return std::atoi(v);
 }
 
+// SMOE_ENGINE_CLUSTER = 1, 2 (a pair along M, B multicast) or n2 (a pair along N, A multicast;
+// TMA-A GEMMs only: down-proj, dX~). n2 is not chosen by the heuristic yet: it is unmeasured.
 int forced_cluster() {
   const char* v = std::getenv("SMOE_ENGINE_CLUSTER");
   if (v == nullptr) return 0;
+  if (std::strcmp(v, "n2") == 0) return -2;
   const int c = std::atoi(v);
   return c == 1 || c == 2 ? c : 0;
 }
@@ -121,14 +124,15 @@ const Entry<Args>* find(const Entry<Args> (&table)[N], const char* label) {
   return nullptr;
 }
 
-// "kind[_pp][_c2]<BN>" of an instantiation, as CMakeLists.txt labels it; nullptr if not built.
+// "kind[_pp][_c2|_n2]<BN>" of an instantiation, as CMakeLists.txt labels it; nullptr if not built.
 const char* varlen_m_label(Epilogue epi, WeightMajor major, bool pp, int cluster, int bn) {
   const char* kind = epi == Epilogue::kSwiGLU    ? "up_swiglu"
                      : epi == Epilogue::kDSwiGLU ? "da_dswiglu"
                      : major == WeightMajor::kNK ? "down_store"
                                                  : "dx_store";
   char l[48];  // on the stack: this runs on every GEMM call
-  std::snprintf(l, sizeof(l), "%s%s%s<%d>", kind, pp ? "_pp" : "", cluster > 1 ? "_c2" : "", bn);
+  std::snprintf(l, sizeof(l), "%s%s%s<%d>", kind, pp ? "_pp" : "",
+                cluster > 1 ? "_c2" : cluster < 0 ? "_n2" : "", bn);
   const Entry<VarlenMArgs>* e = find(kTableM, l);
   return e ? e->label : nullptr;
 }
@@ -173,7 +177,7 @@ Choice choose_varlen_m(const VarlenMArgs& a, int sm_count) {
   const int fc = forced_cluster();
   int cluster = fc ? fc : big_weights ? 2 : 1;
   const char* name = varlen_m_label(a.epilogue, a.b_major, pp, cluster, bn);
-  if (name == nullptr && cluster > 1) {  // no clustered twin of this tile / schedule
+  if (name == nullptr && cluster != 1) {  // no clustered twin of this tile / schedule
     cluster = 1;
     name = varlen_m_label(a.epilogue, a.b_major, pp, cluster, bn);
   }

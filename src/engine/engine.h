@@ -85,7 +85,7 @@ Status varlen_k(const VarlenKArgs& a, int sm_count, cudaStream_t stream);
 struct Choice {
   int bn;
   bool pingpong;     // schedule (tile_config.cuh): ping-pong or cooperative
-  int cluster;       // CTAs per cluster along M (B multicast): 1 or 2
+  int cluster;       // 1, 2 (a pair along M, B multicast) or -2 (a pair along N, A multicast)
   const char* name;  // the instantiation, e.g. "down_store_pp_c2<192>"; nullptr: none fits
 };
 // SwiGLU and store GEMMs with K up to this run ping-pong by default (engine.cu).

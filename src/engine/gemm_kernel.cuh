@@ -154,16 +154,26 @@ struct VarlenMKernel {
   static auto tma_for(const Bf16* ptr, GL gl, SL sl) {
     return make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(ptr), gl), sl(_, _, Int<0>{}));
   }
-  // B: multicast over the cluster (each CTA issues 1/C of the tile) when C > 1.
+  // A: multicast over a cluster along N (each CTA issues 1/C of the tile).
+  static constexpr bool kAlongN = Cfg::kClusterAlongN;
   template <class GL, class SL>
-  static auto tma_for_b(const Bf16* ptr, GL gl, SL sl) {
-    if constexpr (kCluster == 1)
+  static auto tma_for_a(const Bf16* ptr, GL gl, SL sl) {
+    if constexpr (!kAlongN)
       return tma_for(ptr, gl, sl);
     else
       return make_tma_copy(SM90_TMA_LOAD_MULTICAST{}, make_tensor(make_gmem_ptr(ptr), gl), sl(_, _, Int<0>{}),
                            Int<kCluster>{});
   }
-  using TmaA = decltype(tma_for(nullptr, GmemK{}, typename Cfg::SmemLayoutA{}));
+  // B: multicast over a cluster along M (each CTA issues 1/C of the tile).
+  template <class GL, class SL>
+  static auto tma_for_b(const Bf16* ptr, GL gl, SL sl) {
+    if constexpr (kCluster == 1 || kAlongN)
+      return tma_for(ptr, gl, sl);
+    else
+      return make_tma_copy(SM90_TMA_LOAD_MULTICAST{}, make_tensor(make_gmem_ptr(ptr), gl), sl(_, _, Int<0>{}),
+                           Int<kCluster>{});
+  }
+  using TmaA = decltype(tma_for_a(nullptr, GmemK{}, typename Cfg::SmemLayoutA{}));
   using TmaB = decltype(tma_for_b(nullptr, GmemB{}, typename Cfg::SmemLayoutB{}));
 
   struct Params {
@@ -192,7 +202,7 @@ struct VarlenMKernel {
     p.expert_offset = offset;
     p.a_gather = reinterpret_cast<const Bf16*>(A);
     p.gather_idx = gather;
-    p.tma_a = tma_for(reinterpret_cast<const Bf16*>(A),
+    p.tma_a = tma_for_a(reinterpret_cast<const Bf16*>(A),
                       make_layout(make_shape(a_rows, K), make_stride(int64_t{K}, _1{})),
                       typename Cfg::SmemLayoutA{});
     if constexpr (Cfg::kMajorB == GMMA::Major::K) {
@@ -218,7 +228,7 @@ struct VarlenMKernel {
       cute::prefetch_tma_descriptor(p.tma_b.get_tma_descriptor());
       if constexpr (!kGather) cute::prefetch_tma_descriptor(p.tma_a.get_tma_descriptor());
     }
-    using Sched = VarlenMScheduler<Cfg::BM, kCluster>;
+    using Sched = VarlenMScheduler<Cfg::BM, kCluster, kAlongN>;
     Sched::build(p.expert_offset, p.E, s.tile_start);
     __syncthreads();
     int rank = 0;

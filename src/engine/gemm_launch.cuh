@@ -17,9 +17,10 @@ inline EpiDSwiGLU::Params epi_params(EpiDSwiGLU*, const VarlenMArgs& a, int n_ti
 // Schedule of a varlen-M instantiation (tile_config.cuh).
 enum class Sched { kCoop, kPingPong };
 
+// kCluster: 1, 2 (a pair along M, B multicast) or -2 (a pair along N, A multicast).
 template <int BN, GMMA::Major kMajorB, Sched kSched, int kCluster>
-using VarlenMConfig =
-    TileConfig<BN, stages_for(BN), GMMA::Major::K, kMajorB, kSched == Sched::kPingPong, kCluster>;
+using VarlenMConfig = TileConfig<BN, stages_for(BN), GMMA::Major::K, kMajorB, kSched == Sched::kPingPong,
+                                 kCluster < 0 ? -kCluster : kCluster, (kCluster < 0)>;
 
 template <class Cfg, ALoad kALoad, class Epi>
 Status run_varlen_m(const VarlenMArgs& a, int sm_count, cudaStream_t stream, const char* name) {
@@ -27,8 +28,12 @@ Status run_varlen_m(const VarlenMArgs& a, int sm_count, cudaStream_t stream, con
   const int n_tiles = (a.N + Cfg::BN - 1) / Cfg::BN;
   const auto p = K::make_params(a.num_experts, a.N, a.K, a.A, static_cast<int>(a.a_rows), a.gather_idx,
                                 a.B, a.expert_offset, epi_params(static_cast<Epi*>(nullptr), a, n_tiles));
-  // Units: sum_e ceil(m_e / (C BM)) <= rows / (C BM) + E, times the column tiles.
-  const int64_t units = (a.rows / (Cfg::BM * Cfg::kClusterM) + a.num_experts) * static_cast<int64_t>(n_tiles);
+  // Units: sum_e ceil(m_e / (C BM)) <= rows / (C BM) + E, times the column tiles; along N, M-tiles
+  // times pairs of column tiles.
+  const int64_t units =
+      Cfg::kClusterAlongN
+          ? (a.rows / Cfg::BM + a.num_experts) * static_cast<int64_t>((n_tiles + Cfg::kClusterM - 1) / Cfg::kClusterM)
+          : (a.rows / (Cfg::BM * Cfg::kClusterM) + a.num_experts) * static_cast<int64_t>(n_tiles);
   return launch<K>(p, units, sm_count, stream, name);
 }
 

@@ -31,6 +31,9 @@ struct ProducerVarlenM {
   static constexpr uint32_t kTxBytes = Cfg::kBytesB + (kGather ? 0 : Cfg::kBytesA);
   static constexpr uint32_t kFullArrivals = 1 + (kGather ? kProducerThreads : 0);
   static constexpr int kCluster = Cfg::kClusterM;
+  static constexpr bool kAlongN = Cfg::kClusterAlongN;  // A multicast (TMA A only), B per CTA
+  static_assert(!kAlongN || !kGather, "a cluster along N multicasts A: TMA A only");
+  static constexpr int kClusterB = kAlongN ? 1 : kCluster;  // CTAs sharing a B tile
 
   // B tile (n0.., k) of expert e (see the header comment for the two layouts).
   template <class Params, class SB, class MB>
@@ -45,24 +48,34 @@ struct ProducerVarlenM {
         return local_tile(domain_offset(make_coord(n0, w.expert * p.K), mB),
                           make_shape(Int<BN>{}, Int<BK>{}), make_coord(0, _));
     }();
-    // Cluster: this CTA loads its 1/C slice of the tile into the same place in every CTA.
-    auto [tBgB, tBsB] = tma_partition(p.tma_b, rank, Layout<Int<kCluster>>{}, group_modes<0, 2>(sB),
+    // Cluster along M: this CTA loads its 1/C slice of the tile into the same place in every CTA.
+    const int b_rank = kClusterB == 1 ? 0 : rank;
+    auto [tBgB, tBsB] = tma_partition(p.tma_b, b_rank, Layout<Int<kClusterB>>{}, group_modes<0, 2>(sB),
                                       group_modes<0, 2>(gB));
-    if constexpr (kCluster == 1)
+    if constexpr (kClusterB == 1)
       copy(p.tma_b.with(bar), tBgB(_, k), tBsB(_, stage));
     else
       copy(p.tma_b.with(bar, static_cast<uint16_t>((1u << kCluster) - 1)), tBgB(_, k), tBsB(_, stage));
   }
 
   // Contiguous A rows row0.. of the tile (k-th K-tile).
+  // Along N both CTAs of the pair work on the same rows: each loads its 1/C slice of the A tile and
+  // multicasts it into both.
   template <class Params, class SA, class MA>
   __device__ static void load_a_tma(const Params& p, SA& sA, const MA& mA, const WorkTile& w, int k,
-                                    int stage, uint64_t& bar) {
+                                    int stage, uint64_t& bar, int rank) {
     Tensor gA = local_tile(domain_offset(make_coord(w.row0, 0), mA),
                            make_shape(Int<BM>{}, Int<BK>{}), make_coord(0, _));
-    auto [tAgA, tAsA] = tma_partition(p.tma_a, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sA),
-                                      group_modes<0, 2>(gA));
-    copy(p.tma_a.with(bar), tAgA(_, k), tAsA(_, stage));
+    if constexpr (kAlongN) {
+      auto [tAgA, tAsA] = tma_partition(p.tma_a, rank, Layout<Int<kCluster>>{}, group_modes<0, 2>(sA),
+                                        group_modes<0, 2>(gA));
+      copy(p.tma_a.with(bar, static_cast<uint16_t>((1u << kCluster) - 1)), tAgA(_, k), tAsA(_, stage));
+    } else {
+      (void)rank;
+      auto [tAgA, tAsA] = tma_partition(p.tma_a, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sA),
+                                        group_modes<0, 2>(gA));
+      copy(p.tma_a.with(bar), tAgA(_, k), tAsA(_, stage));
+    }
   }
 
   template <class Params, class Storage, class Sched>
@@ -106,7 +119,7 @@ struct ProducerVarlenM {
         if (tid == 0) {
           cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&s.full[ps.stage], kTxBytes);
           load_b(p, sB, mB, w, k, ps.stage, s.full[ps.stage], sched.rank);
-          if constexpr (!kGather) load_a_tma(p, sA, mA, w, k, ps.stage, s.full[ps.stage]);
+          if constexpr (!kGather) load_a_tma(p, sA, mA, w, k, ps.stage, s.full[ps.stage], sched.rank);
         }
         if constexpr (kGather) {
           const uint32_t stage_off = ps.stage * Cfg::kBytesA;

@@ -44,13 +44,19 @@ struct SmemOperand {
 };
 
 template <int BN_, int Stages_, GMMA::Major MajorA_, GMMA::Major MajorB_, bool PingPong_ = false,
-          int ClusterM_ = 1>
+          int ClusterM_ = 1, bool ClusterAlongN_ = false>
 struct TileConfig {
   static constexpr bool kPingPong = PingPong_;
-  // CTAs per cluster along M: each loads 1/ClusterM of the B (weight) tile and multicasts it to
-  // all, so a pair of CTAs on adjacent M-tiles of one expert reads each weight byte from L2 once.
+  // CTAs per cluster (1 or 2). Along M (default): the pair takes adjacent M-tiles of one expert
+  // and one N-tile; each CTA loads half of the B (weight) tile and multicasts it to both, so each
+  // weight byte leaves L2 once per pair. Along N (kClusterAlongN): the pair takes one M-tile and
+  // adjacent N-tiles; each loads half of the A tile (by TMA: contiguous rows only) and multicasts
+  // it, so each activation byte leaves L2 once per pair: what short-K GEMMs (down-proj, dX~),
+  // which re-read A for every N-tile, need.
   static constexpr int kClusterM = ClusterM_;
-  static_assert(kClusterM == 1 || kClusterM == 2, "cluster: 1 or 2 CTAs along M");
+  static constexpr bool kClusterAlongN = ClusterAlongN_;
+  static_assert(kClusterM == 1 || kClusterM == 2, "cluster: 1 or 2 CTAs");
+  static_assert(!kClusterAlongN || kClusterM == 2, "a cluster along N needs 2 CTAs");
   static constexpr int kMmaThreads = kPingPong ? 128 : 256;  // threads that share one tile
   static constexpr int BM = 128;
   static constexpr int BN = BN_;

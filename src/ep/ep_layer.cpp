@@ -267,6 +267,7 @@ Status ep_backward(EpContext* c, const EpBackwardArgs& a, cudaStream_t stream) {
   lb.dscores = ws.ds;
   lb.workspace = ws.layer;
   lb.workspace_bytes = ws.layer_bytes;
+  lb.status = a.status;  // a bad saved state is reported there (when given)
 
   // x is dispatched again with dout (same slots: the layout is the forward's), so the forward
   // keeps no copy of the received tokens.

@@ -59,16 +59,34 @@ Status moe_backward(const MoEBackwardArgs& a, cudaStream_t stream) {
   const plan::BackwardWs w = plan::backward_ws(s, a.workspace, sms);
   SMOE_RETURN_IF_ERROR(layer::check_buffer(a.workspace, a.workspace_bytes, w.total, fn, "workspace",
                                            "workspace_bytes", "moe_backward_workspace_size"));
+  if (a.status != nullptr) SMOE_RETURN_IF_ERROR(detail::check_ptr(a.status, fn, "status", 8));
   const MoESavedView sv = moe_saved_state_view(s, const_cast<void*>(a.saved));
   const int64_t rows = moe_row_capacity(s);  // the GEMMs read the actual rows from expert_offset
-  const int32_t* nnz = sv.expert_offset + s.E;
   float* dS = provided ? a.dscores : w.dS;  // by entry; provided: the caller's [T][K] slots
   profile::mark("begin", stream);
+  // The stamp first: when it does not match, expert_offset below is all zeros (no GEMM row, so no
+  // saved index is read), the index-reading kernels skip on `valid`, and the end NaN-fills every
+  // gradient.
+  SMOE_RETURN_IF_ERROR(kernels::check_saved(plan::saved_layout(s, const_cast<void*>(a.saved)).stamp,
+                                            plan::kSavedMagic, plan::saved_shape_hash(s),
+                                            moe_saved_state_size(s), sv.expert_offset, s.E, w.valid,
+                                            w.expert_offset, a.status, stream));
+  const int32_t* expert_offset = w.expert_offset;
+  const int32_t* valid = w.valid;
+  const int32_t* nnz = expert_offset + s.E;
+  auto nan_if_invalid = [&]() -> Status {
+    SMOE_RETURN_IF_ERROR(kernels::nan_fill_if_invalid(valid, a.dx, tb.tokens, stream));
+    SMOE_RETURN_IF_ERROR(kernels::nan_fill_if_invalid(valid, a.dw1, tb.w1, stream));
+    SMOE_RETURN_IF_ERROR(kernels::nan_fill_if_invalid(valid, a.dw2, tb.w2, stream));
+    if (!provided) SMOE_RETURN_IF_ERROR(kernels::nan_fill_if_invalid(valid, a.dw_router, tb.router, stream));
+    if (provided) SMOE_RETURN_IF_ERROR(kernels::nan_fill_if_invalid(valid, a.dscores, tb.slots, stream));
+    return Status{};
+  };
   if (s.T == 0) {  // no token: every weight gradient is zero (they are overwritten, never accumulated)
     SMOE_CUDA_RETURN(cudaMemsetAsync(a.dw1, 0, tb.w1, stream));
     SMOE_CUDA_RETURN(cudaMemsetAsync(a.dw2, 0, tb.w2, stream));
     if (!provided) SMOE_CUDA_RETURN(cudaMemsetAsync(a.dw_router, 0, tb.router, stream));
-    return Status{};
+    return nan_if_invalid();
   }
 
   engine::VarlenMArgs da;
@@ -76,7 +94,7 @@ Status moe_backward(const MoEBackwardArgs& a, cudaStream_t stream) {
   da.N = s.n;
   da.K = s.d;
   da.rows = rows;
-  da.expert_offset = sv.expert_offset;
+  da.expert_offset = expert_offset;
   da.A = a.dout;
   da.a_rows = s.T;
   da.gather_idx = sv.gather_idx;
@@ -91,7 +109,7 @@ Status moe_backward(const MoEBackwardArgs& a, cudaStream_t stream) {
   da.ds_partial = w.ds_partial;
   SMOE_RETURN_IF_ERROR(engine::varlen_m(da, sms, stream));
   SMOE_RETURN_IF_ERROR(kernels::ds_rowsum(w.ds_partial, engine::ds_partial_tiles(s.n), sv.scatter_idx, rows,
-                                          nnz, dS, stream));
+                                          nnz, dS, stream, valid));
   profile::mark("dA_proj", stream);
 
   if (layer::dw2_path(s) == layer::DwPath::kEngine) {
@@ -100,7 +118,7 @@ Status moe_backward(const MoEBackwardArgs& a, cudaStream_t stream) {
     dw2.M = s.d;
     dw2.N = s.n;
     dw2.rows = rows;
-    dw2.expert_offset = sv.expert_offset;
+    dw2.expert_offset = expert_offset;
     dw2.P = a.dout;
     dw2.ld_p = s.d;
     dw2.gather_p = sv.gather_idx;
@@ -109,12 +127,12 @@ Status moe_backward(const MoEBackwardArgs& a, cudaStream_t stream) {
     dw2.D = a.dw2;
     SMOE_RETURN_IF_ERROR(engine::varlen_k(dw2, sms, stream));
   } else {
-    SMOE_RETURN_IF_ERROR(kernels::gather_rows(a.dout, s.d, sv.gather_idx, rows, w.dXt, stream));
+    SMOE_RETURN_IF_ERROR(kernels::gather_rows(a.dout, s.d, sv.gather_idx, rows, w.dXt, stream, valid));
     gemm::VarlenKArgs dw2;
     dw2.num_experts = s.E;
     dw2.M = s.d;
     dw2.N = s.n;
-    dw2.expert_offset = sv.expert_offset;
+    dw2.expert_offset = expert_offset;
     dw2.P = w.dXt;  // dO gathered
     dw2.Q = w.a_prime;
     dw2.D = a.dw2;
@@ -128,7 +146,7 @@ Status moe_backward(const MoEBackwardArgs& a, cudaStream_t stream) {
     const float one = 1.f, zero = 0.f;
     if (s.router == MoERouter::kTopKSoftmax) {
       SMOE_RETURN_IF_ERROR(kernels::router_backward(dS, sv.scores, sv.topk_expert, s.K, s.E, s.T, w.dl,
-                                                    w.dlogits, stream));
+                                                    w.dlogits, stream, valid));
     } else {
       // Token rounding: padded scores are softmax-over-E values, so every logit gets a gradient.
       // The logits are recomputed (the same cuBLAS call as forward) instead of held: T*E*4 bytes
@@ -137,7 +155,7 @@ Status moe_backward(const MoEBackwardArgs& a, cudaStream_t stream) {
                                                "moe_backward: router GEMM (token rounding recompute)"));
       SMOE_RETURN_IF_ERROR(kernels::router_backward_tr(dS, sv.entry_expert, sv.token_offset, sv.topk_expert,
                                                        sv.topk_score, w.logits, s.K, s.E, s.T, w.dlogits,
-                                                       stream));
+                                                       stream, valid));
       // dx_router [T][d] = dlogits W_r: column-major C (d x T) = (W_r as d x E) * (dlogits as E x T).
       SMOE_RETURN_IF_ERROR(blas::check(
           cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, s.d, static_cast<int>(s.T), s.E, &one, a.weights.w_router,
@@ -161,7 +179,7 @@ Status moe_backward(const MoEBackwardArgs& a, cudaStream_t stream) {
     dw1.M = 2 * s.n;
     dw1.N = s.d;
     dw1.rows = rows;
-    dw1.expert_offset = sv.expert_offset;
+    dw1.expert_offset = expert_offset;
     dw1.P = w.dH;
     dw1.ld_p = 2 * s.n;
     dw1.Q = a.x;
@@ -170,12 +188,12 @@ Status moe_backward(const MoEBackwardArgs& a, cudaStream_t stream) {
     dw1.D = a.dw1;
     SMOE_RETURN_IF_ERROR(engine::varlen_k(dw1, sms, stream));
   } else {
-    SMOE_RETURN_IF_ERROR(kernels::gather_rows(a.x, s.d, sv.gather_idx, rows, w.dXt, stream));
+    SMOE_RETURN_IF_ERROR(kernels::gather_rows(a.x, s.d, sv.gather_idx, rows, w.dXt, stream, valid));
     gemm::VarlenKArgs dw1;
     dw1.num_experts = s.E;
     dw1.M = 2 * s.n;
     dw1.N = s.d;
-    dw1.expert_offset = sv.expert_offset;
+    dw1.expert_offset = expert_offset;
     dw1.P = w.dH;
     dw1.Q = w.dXt;  // x gathered
     dw1.D = a.dw1;
@@ -188,7 +206,7 @@ Status moe_backward(const MoEBackwardArgs& a, cudaStream_t stream) {
   dxt.N = s.d;
   dxt.K = 2 * s.n;
   dxt.rows = rows;
-  dxt.expert_offset = sv.expert_offset;
+  dxt.expert_offset = expert_offset;
   dxt.A = w.dH;
   dxt.a_rows = rows;
   dxt.B = a.weights.w1;  // [E][2n][d] = [E][K][N]
@@ -199,9 +217,9 @@ Status moe_backward(const MoEBackwardArgs& a, cudaStream_t stream) {
   profile::mark("dX_proj", stream);
 
   SMOE_RETURN_IF_ERROR(kernels::dx_sum(w.dXt, sv.reverse_scatter_idx, sv.token_offset, w.dl, sv.entry_expert,
-                                       a.weights.w_router, w.dx_router, s.d, s.T, a.dx, stream));
+                                       a.weights.w_router, w.dx_router, s.d, s.T, a.dx, stream, valid));
   profile::mark("dx_sum", stream);
-  return Status{};
+  return nan_if_invalid();
 }
 
 }  // namespace smoe

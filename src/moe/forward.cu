@@ -46,6 +46,10 @@ Status moe_forward(const MoEForwardArgs& a, cudaStream_t stream) {
   SMOE_RETURN_IF_ERROR(layer::sm_count(&sms));
   const MoESavedView sv = moe_saved_state_view(s, a.saved);
   const int64_t rows = moe_row_capacity(s);
+  // The stamp is cleared first and written last: a forward that stops half way leaves none.
+  void* stamp = plan::saved_layout(s, a.saved).stamp;
+  SMOE_RETURN_IF_ERROR(kernels::clear_saved_stamp(stamp, stream));
+  const uint64_t saved_need = moe_saved_state_size(s);
   profile::mark("begin", stream);
 
   if (!provided && s.T > 0) {
@@ -81,7 +85,8 @@ Status moe_forward(const MoEForwardArgs& a, cudaStream_t stream) {
                                                 w.routing, w.routing_bytes, stream));
   }
   profile::mark("routing", stream);
-  if (s.T == 0) return Status{};  // the saved state holds the (empty) routing; nothing to compute
+  if (s.T == 0)  // the saved state holds the (empty) routing; nothing to compute
+    return kernels::write_saved_stamp(stamp, plan::kSavedMagic, plan::saved_shape_hash(s), saved_need, stream);
 
   // The GEMMs are sized for the row capacity; the scheduler reads the actual rows per expert from
   // expert_offset on the device (rows past expert_offset[E] are never touched).
@@ -120,7 +125,7 @@ Status moe_forward(const MoEForwardArgs& a, cudaStream_t stream) {
   SMOE_RETURN_IF_ERROR(kernels::aggregate(w.y, sv.scores, sv.reverse_scatter_idx, sv.token_offset, s.d, s.T,
                                           a.out, stream));
   profile::mark("aggregate", stream);
-  return Status{};
+  return kernels::write_saved_stamp(stamp, plan::kSavedMagic, plan::saved_shape_hash(s), saved_need, stream);
 }
 
 }  // namespace smoe

@@ -41,7 +41,8 @@ unsigned grid_for(int64_t n) {
 // dst[r] = src[idx[r]], 16 bytes per thread (for the CUTLASS weight-gradient path only).
 __global__ void gather_rows_kernel(const bf16* __restrict__ src, int64_t vec_per_row,
                                    const int32_t* __restrict__ idx, int64_t rows,
-                                   bf16* __restrict__ dst) {
+                                   bf16* __restrict__ dst, const int32_t* valid) {
+  if (valid != nullptr && *valid == 0) return;
   const uint4* s = reinterpret_cast<const uint4*>(src);
   uint4* o = reinterpret_cast<uint4*>(dst);
   const int64_t total = rows * vec_per_row;
@@ -86,7 +87,9 @@ __global__ void aggregate_kernel(const bf16* __restrict__ Y, const float* __rest
 // partial dot products): one thread per grouped row, fixed order, no atomics.
 __global__ void ds_rowsum_kernel(const float* __restrict__ partial, int tiles,
                                  const int32_t* __restrict__ scatter, int64_t rows,
-                                 const int32_t* __restrict__ nnz, float* __restrict__ dS) {
+                                 const int32_t* __restrict__ nnz, float* __restrict__ dS,
+                                 const int32_t* valid) {
+  if (valid != nullptr && *valid == 0) return;
   const int64_t used = *nnz;
   for (int64_t r = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; r < rows;
        r += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -104,7 +107,9 @@ __global__ void ds_rowsum_kernel(const float* __restrict__ partial, int tiles,
 // One thread per token: dl[t,k] and the K non-zeros of the dense bf16 dlogits row (pre-zeroed).
 __global__ void router_backward_kernel(const float* __restrict__ dS, const float* __restrict__ scores,
                                        const int32_t* __restrict__ topk, int K, int E, int64_t T,
-                                       float* __restrict__ dl, bf16* __restrict__ dlogits_dense) {
+                                       float* __restrict__ dl, bf16* __restrict__ dlogits_dense,
+                                       const int32_t* valid) {
+  if (valid != nullptr && *valid == 0) return;
   for (int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; t < T;
        t += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     // s_k (dS_k - sum_j s_j dS_j) = s_k sum_{j != k} s_j (dS_k - dS_j): no cancellation when
@@ -130,7 +135,8 @@ __global__ void router_backward_tr_kernel(const float* __restrict__ dS, const in
                                           const int32_t* __restrict__ token_offset,
                                           const int32_t* __restrict__ topk, const float* __restrict__ topk_score,
                                           const float* __restrict__ logits, int K, int E, int64_t T,
-                                          bf16* __restrict__ dlogits) {
+                                          bf16* __restrict__ dlogits, const int32_t* valid) {
+  if (valid != nullptr && *valid == 0) return;
   const int lane = threadIdx.x & 31;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x >> 5);
   for (int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x >> 5) + (threadIdx.x >> 5); t < T; t += warps) {
@@ -191,7 +197,8 @@ __global__ void dx_kernel(const bf16* __restrict__ dXt, const int32_t* __restric
                           const int32_t* __restrict__ token_offset, const float* __restrict__ dl,
                           const int32_t* __restrict__ entry_expert, const bf16* __restrict__ w_router,
                           const float* __restrict__ dx_router, int64_t vec_per_row, int64_t T,
-                          bf16* __restrict__ dx) {
+                          bf16* __restrict__ dx, const int32_t* valid) {
+  if (valid != nullptr && *valid == 0) return;
   const int64_t total = T * vec_per_row;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -234,6 +241,34 @@ __global__ void dx_kernel(const bf16* __restrict__ dXt, const int32_t* __restric
   }
 }
 
+__global__ void write_stamp_kernel(uint64_t* stamp, uint64_t magic, uint64_t hash, uint64_t bytes) {
+  stamp[1] = hash;
+  stamp[2] = bytes;
+  stamp[3] = 0;
+  __threadfence();
+  stamp[0] = magic;  // last: a stamp with the magic is complete
+}
+
+__global__ void check_saved_kernel(const uint64_t* stamp, uint64_t magic, uint64_t hash, uint64_t bytes,
+                                   const int32_t* expert_offset, int E, int32_t* valid,
+                                   int32_t* expert_offset_copy, DeviceStatus* status) {
+  __shared__ int ok;
+  if (threadIdx.x == 0) {
+    ok = stamp[0] == magic && stamp[1] == hash && stamp[2] == bytes;
+    *valid = ok;
+    if (!ok && status != nullptr) atomicOr(&status->flags, static_cast<uint32_t>(kStatusBadSavedState));
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e <= E; e += blockDim.x) expert_offset_copy[e] = ok ? expert_offset[e] : 0;
+}
+
+__global__ void nan_fill_kernel(const int32_t* valid, uint32_t* p, int64_t words) {
+  if (*valid != 0) return;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < words;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    p[i] = 0xFFFFFFFFu;
+}
+
 __global__ void f32_to_bf16_kernel(const float* __restrict__ in, bf16* __restrict__ out, int64_t n) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x)
@@ -242,11 +277,39 @@ __global__ void f32_to_bf16_kernel(const float* __restrict__ in, bf16* __restric
 
 }  // namespace
 
+Status clear_saved_stamp(void* stamp, cudaStream_t stream) {
+  SMOE_CUDA_RETURN(cudaMemsetAsync(stamp, 0, sizeof(uint64_t) * 4, stream));
+  return Status{};
+}
+
+Status write_saved_stamp(void* stamp, uint64_t magic, uint64_t shape_hash, uint64_t bytes, cudaStream_t stream) {
+  write_stamp_kernel<<<1, 1, 0, stream>>>(static_cast<uint64_t*>(stamp), magic, shape_hash, bytes);
+  SMOE_CHECK_LAUNCH("write_stamp_kernel");
+  return Status{};
+}
+
+Status check_saved(const void* stamp, uint64_t magic, uint64_t shape_hash, uint64_t bytes,
+                   const int32_t* expert_offset, int E, int32_t* valid, int32_t* expert_offset_copy,
+                   DeviceStatus* status, cudaStream_t stream) {
+  check_saved_kernel<<<1, 256, 0, stream>>>(static_cast<const uint64_t*>(stamp), magic, shape_hash, bytes,
+                                            expert_offset, E, valid, expert_offset_copy, status);
+  SMOE_CHECK_LAUNCH("check_saved_kernel");
+  return Status{};
+}
+
+Status nan_fill_if_invalid(const int32_t* valid, void* p, size_t bytes, cudaStream_t stream) {
+  if (p == nullptr || bytes < 4) return Status{};
+  const int64_t words = static_cast<int64_t>(bytes / 4);
+  nan_fill_kernel<<<grid_for(words), kThreads, 0, stream>>>(valid, static_cast<uint32_t*>(p), words);
+  SMOE_CHECK_LAUNCH("nan_fill_kernel");
+  return Status{};
+}
+
 Status gather_rows(const bf16* src, int d, const int32_t* idx, int64_t rows, bf16* dst,
-                   cudaStream_t stream) {
+                   cudaStream_t stream, const int32_t* valid) {
   if (rows == 0) return Status{};
   const int64_t vpr = d / 8;
-  gather_rows_kernel<<<grid_for(rows * vpr), kThreads, 0, stream>>>(src, vpr, idx, rows, dst);
+  gather_rows_kernel<<<grid_for(rows * vpr), kThreads, 0, stream>>>(src, vpr, idx, rows, dst, valid);
   SMOE_CHECK_LAUNCH("gather_rows_kernel");
   return Status{};
 }
@@ -261,42 +324,44 @@ Status aggregate(const bf16* Y, const float* scores, const int32_t* rev, const i
 }
 
 Status ds_rowsum(const float* partial, int tiles, const int32_t* scatter, int64_t rows, const int32_t* nnz,
-                 float* dS, cudaStream_t stream) {
+                 float* dS, cudaStream_t stream, const int32_t* valid) {
   if (rows == 0) return Status{};
-  ds_rowsum_kernel<<<grid_for(rows), kThreads, 0, stream>>>(partial, tiles, scatter, rows, nnz, dS);
+  ds_rowsum_kernel<<<grid_for(rows), kThreads, 0, stream>>>(partial, tiles, scatter, rows, nnz, dS, valid);
   SMOE_CHECK_LAUNCH("ds_rowsum_kernel");
   return Status{};
 }
 
 Status router_backward(const float* dS, const float* scores, const int32_t* topk, int K, int E,
-                       int64_t T, float* dl, bf16* dlogits_dense, cudaStream_t stream) {
+                       int64_t T, float* dl, bf16* dlogits_dense, cudaStream_t stream, const int32_t* valid) {
   if (T == 0) return Status{};
   SMOE_CUDA_RETURN(cudaMemsetAsync(dlogits_dense, 0, sizeof(bf16) * T * E, stream));
-  router_backward_kernel<<<grid_for(T), kThreads, 0, stream>>>(dS, scores, topk, K, E, T, dl, dlogits_dense);
+  router_backward_kernel<<<grid_for(T), kThreads, 0, stream>>>(dS, scores, topk, K, E, T, dl, dlogits_dense,
+                                                               valid);
   SMOE_CHECK_LAUNCH("router_backward_kernel");
   return Status{};
 }
 
 Status router_backward_tr(const float* dS, const int32_t* entry_expert, const int32_t* token_offset,
                           const int32_t* topk, const float* topk_score, const float* logits, int K,
-                          int E, int64_t T, bf16* dlogits_dense, cudaStream_t stream) {
+                          int E, int64_t T, bf16* dlogits_dense, cudaStream_t stream,
+                          const int32_t* valid) {
   if (T == 0) return Status{};
   const int64_t warps_per_block = kThreads / 32;
   int64_t blocks = (T + warps_per_block - 1) / warps_per_block;
   if (blocks > 65536) blocks = 65536;
   router_backward_tr_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-      dS, entry_expert, token_offset, topk, topk_score, logits, K, E, T, dlogits_dense);
+      dS, entry_expert, token_offset, topk, topk_score, logits, K, E, T, dlogits_dense, valid);
   SMOE_CHECK_LAUNCH("router_backward_tr_kernel");
   return Status{};
 }
 
 Status dx_sum(const bf16* dXt, const int32_t* rev, const int32_t* token_offset, const float* dl,
               const int32_t* entry_expert, const bf16* w_router, const float* dx_router, int d, int64_t T,
-              bf16* dx, cudaStream_t stream) {
+              bf16* dx, cudaStream_t stream, const int32_t* valid) {
   if (T == 0) return Status{};
   const int64_t vpr = d / 8;
   dx_kernel<<<grid_for(T * vpr), kThreads, 0, stream>>>(dXt, rev, token_offset, dl, entry_expert, w_router,
-                                                         dx_router, vpr, T, dx);
+                                                         dx_router, vpr, T, dx, valid);
   SMOE_CHECK_LAUNCH("dx_kernel");
   return Status{};
 }

@@ -10,8 +10,23 @@
 namespace smoe {
 namespace kernels {
 
+// Backward kernels that read saved indices take `valid` (check_saved's flag; null = always valid)
+// and do nothing when it is 0.
+
+// The saved-state stamp (memory_plan.h): cleared at the start of forward, written at its end.
+Status clear_saved_stamp(void* stamp, cudaStream_t stream);
+Status write_saved_stamp(void* stamp, uint64_t magic, uint64_t shape_hash, uint64_t bytes, cudaStream_t stream);
+// *valid = (stamp matches); expert_offset_copy[0..E] = the saved expert_offset, or zeros (then no GEMM
+// row exists and no saved index is read); a mismatch sets kStatusBadSavedState in status (if given).
+Status check_saved(const void* stamp, uint64_t magic, uint64_t shape_hash, uint64_t bytes,
+                   const int32_t* expert_offset, int E, int32_t* valid, int32_t* expert_offset_copy,
+                   DeviceStatus* status, cudaStream_t stream);
+// Every 4-byte word of p[0, bytes) = 0xFFFFFFFF (NaN in bf16 and fp32) when *valid == 0.
+Status nan_fill_if_invalid(const int32_t* valid, void* p, size_t bytes, cudaStream_t stream);
+
 // dst[r] = src[idx[r]] for r < rows; rows of d bf16 (d % 8 == 0). Only the CUTLASS dW path uses it.
-Status gather_rows(const bf16* src, int d, const int32_t* idx, int64_t rows, bf16* dst, cudaStream_t stream);
+Status gather_rows(const bf16* src, int d, const int32_t* idx, int64_t rows, bf16* dst, cudaStream_t stream,
+                   const int32_t* valid = nullptr);
 // Entries of token t are [token_offset[t], token_offset[t+1]); an entry with rev < 0 is an empty
 // slot (provided routing) and adds nothing.
 // out[t] = sum over entries j of t: scores[j] * Y[rev[j]] (fp32 accumulate, entry order).
@@ -20,20 +35,22 @@ Status aggregate(const bf16* Y, const float* scores, const int32_t* rev, const i
 // dS[scatter[r]] = sum_j partial[r][j] (j ascending) for grouped rows r < *nnz; rows in [*nnz, rows)
 // are unused: their entry (if scatter[r] >= 0, an empty slot) gets dS = 0. partial is [rows][tiles].
 Status ds_rowsum(const float* partial, int tiles, const int32_t* scatter, int64_t rows, const int32_t* nnz,
-                 float* dS, cudaStream_t stream);
+                 float* dS, cudaStream_t stream, const int32_t* valid = nullptr);
 // Top-K softmax router: dl[t,k] = s_k (dS_k - sum_j s_j dS_j); dlogits_dense [T][E] bf16 (zeros + the K values).
 Status router_backward(const float* dS, const float* scores, const int32_t* topk, int K, int E,
-                       int64_t T, float* dl, bf16* dlogits_dense, cudaStream_t stream);
+                       int64_t T, float* dl, bf16* dlogits_dense, cudaStream_t stream,
+                       const int32_t* valid = nullptr);
 // Token-rounding router (see ref::token_rounding_router_backward_ref): every element of
 // dlogits_dense [T][E] bf16 from the entries' dS, the top-K choice and the recomputed fp32 logits.
 Status router_backward_tr(const float* dS, const int32_t* entry_expert, const int32_t* token_offset,
                           const int32_t* topk, const float* topk_score, const float* logits, int K,
-                          int E, int64_t T, bf16* dlogits_dense, cudaStream_t stream);
+                          int E, int64_t T, bf16* dlogits_dense, cudaStream_t stream,
+                          const int32_t* valid = nullptr);
 // dx[t] = sum over entries j of t: dXt[rev[j]] (+ dl[j] * w_router[entry_expert[j]] when dl is not
 // null) (+ dx_router[t] fp32 [T][d] when not null), fp32 in entry order.
 Status dx_sum(const bf16* dXt, const int32_t* rev, const int32_t* token_offset, const float* dl,
               const int32_t* entry_expert, const bf16* w_router, const float* dx_router, int d, int64_t T,
-              bf16* dx, cudaStream_t stream);
+              bf16* dx, cudaStream_t stream, const int32_t* valid = nullptr);
 Status f32_to_bf16(const float* in, bf16* out, int64_t n, cudaStream_t stream);
 
 }  // namespace kernels

@@ -29,12 +29,25 @@ size_t row_capacity(const MoEShape& s) {
 }
 }  // namespace
 
+uint64_t saved_shape_hash(const MoEShape& s) {
+  // FNV-1a over the fields that change the saved layout or its meaning.
+  const int64_t f[7] = {s.T, s.d, s.n, s.E, s.K, static_cast<int64_t>(s.router), static_cast<int64_t>(s.rounding)};
+  uint64_t h = 1469598103934665603ull;
+  for (int64_t v : f)
+    for (int b = 0; b < 8; ++b) {
+      h ^= (static_cast<uint64_t>(v) >> (8 * b)) & 0xff;
+      h *= 1099511628211ull;
+    }
+  return h;
+}
+
 SavedLayout saved_layout(const MoEShape& s, void* base) {
   const size_t rows = row_capacity(s);
   const size_t tk = static_cast<size_t>(s.T) * s.K;
   const bool tr = s.router == MoERouter::kTokenRounding;
   detail::Carver c(base);
   SavedLayout l;
+  l.stamp = c.take<SavedStamp>(1);
   l.v.h = c.take<bf16>(rows * 2 * s.n);
   l.v.scores = c.take<float>(rows);
   l.v.topk_expert = c.take<int32_t>(tk);
@@ -91,6 +104,8 @@ BackwardWs backward_ws(const MoEShape& s, void* base, int sm_count) {
     w.logits = c.take<float>(te);
     w.dx_router = c.take<float>(static_cast<size_t>(s.T) * s.d);
   }
+  w.valid = c.take<int32_t>(1);
+  w.expert_offset = c.take<int32_t>(static_cast<size_t>(s.E) + 1);
   w.cutlass_bytes = gemm::varlen_k_workspace_size(s.E, sm_count);
   w.cutlass = c.take<char>(w.cutlass_bytes);
   w.total = c.used();

@@ -17,7 +17,19 @@ namespace plan {
 
 constexpr size_t kCublasWorkspace = size_t{32} << 20;  // cuBLAS' recommendation for Hopper
 
+// The stamp at the start of the saved state (memory_plan.cpp): forward clears it first and writes it
+// last, backward checks it before reading any saved index.
+struct SavedStamp {
+  uint64_t magic;       // kSavedMagic
+  uint64_t shape_hash;  // saved_shape_hash(shape)
+  uint64_t bytes;       // moe_saved_state_size(shape)
+  uint64_t reserved;
+};
+constexpr uint64_t kSavedMagic = 0x45564153656f6d73ull;  // "smoeSAVE"
+uint64_t saved_shape_hash(const MoEShape& s);
+
 struct SavedLayout {
+  SavedStamp* stamp;
   MoESavedView v;
   size_t bytes;
 };
@@ -50,6 +62,8 @@ struct BackwardWs {
   float* dwr32;       // [E][d] (null without a router)
   float* logits;      // [T][E] token rounding: the logits recomputed for the softmax over E
   float* dx_router;   // [T][d] token rounding: dlogits W_r (dense: padded scores touch every logit)
+  int32_t* valid;          // 1 when the saved stamp matched (check_saved), else 0
+  int32_t* expert_offset;  // [E+1] the saved expert_offset, or zeros when the stamp did not match
   void* cutlass;      // the CUTLASS varlen-K workspace (dW path, see dw_path.h)
   size_t cutlass_bytes;
   size_t total;

@@ -274,10 +274,12 @@ void run_m(const MCase& c) {
   if (!dswiglu && c.N % 256 == 0) {
     runs.push_back({"coop", "256", "1", kind + "<256>"});
     runs.push_back({"coop", "256", "2", kind + "_c2<256>"});
+    if (store) runs.push_back({"coop", "256", "n2", kind + "_n2<256>"});  // a pair along N: A multicast
   }
   if (store) {
     runs.push_back({"pingpong", "192", "1", kind + "_pp<192>"});
     runs.push_back({"pingpong", "192", "2", kind + "_pp_c2<192>"});
+    runs.push_back({"pingpong", "192", "n2", kind + "_pp_n2<192>"});
   } else {
     runs.push_back({"pingpong", "128", "2", kind + "_pp_c2<128>"});
   }

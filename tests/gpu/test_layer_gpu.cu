@@ -922,3 +922,61 @@ TEST(GpuBadInput, ProvidedRoutingArgumentsWriteNothing) {
     if (::testing::Test::HasFatalFailure()) return;
   }
 }
+
+// A saved buffer that moe_forward did not complete for this shape (garbage bytes, a torn stamp)
+// is detected on the device: backward returns ok, leaves no CUDA error, sets kStatusBadSavedState
+// and makes every gradient NaN; it never reads the garbage indices (no crash).
+TEST(GpuBadInput, GarbageSavedStateIsFlaggedNeverACrash) {
+  for (const smoe::MoERouter router :
+       {smoe::MoERouter::kTopKSoftmax, smoe::MoERouter::kProvided, smoe::MoERouter::kTokenRounding}) {
+    smoe::MoEShape s{300, 128, 64, 8, 2};
+    s.router = router;
+    const uint64_t seed = fresh_seed();
+    SCOPED_TRACE(shape_name(s) + " router " + std::to_string(static_cast<int>(router)) + " seed=" +
+                 std::to_string(seed));
+    GpuLayer g(make_inputs(s, seed));
+    if (router == smoe::MoERouter::kProvided) {  // some routing to run forward with
+      std::vector<int32_t> ex(s.T * s.K);
+      std::vector<float> sc(s.T * s.K);
+      for (size_t i = 0; i < ex.size(); ++i) {  // two distinct experts per token
+        const int32_t t = static_cast<int32_t>(i / 2);
+        ex[i] = (i % 2) ? (t + 3) % s.E : t % s.E;
+        sc[i] = 0.5f;
+      }
+      CUDA_OK(g.routed_expert.upload(ex));
+      CUDA_OK(g.routed_scores.upload(sc));
+    }
+    for (int variant = 0; variant < 3; ++variant) {
+      ASSERT_TRUE(smoe::reset_device_status(g.status.get(), 0).ok());
+      ASSERT_TRUE(smoe::moe_forward(g.forward_args(), 0).ok());
+      if (variant == 0)  // garbage of the right size
+        smoe_test::fill_normal_kernel<<<256, 256>>>(reinterpret_cast<bf16*>(g.saved.get()),
+                                                    static_cast<int64_t>(g.saved.bytes() / 2), seed, 1e4f);
+      else if (variant == 1)  // a torn stamp: the magic only
+        CUDA_OK(cudaMemset(g.saved.get(), 0x5a, 8));
+      CUDA_OK(cudaDeviceSynchronize());
+      for (auto* b : {&g.dx, &g.dwr, &g.dw1, &g.dw2}) CUDA_OK(b->poison());
+      CUDA_OK(cudaMemset(g.dx.get(), 0, g.dx.bytes()));  // NaN must come from the call, not the poison
+      smoe::MoEBackwardArgs b = backward_args(g);
+      b.status = g.status.get();
+      const smoe::Status st = smoe::moe_backward(b, 0);
+      ASSERT_TRUE(st.ok()) << st.message;
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << "variant " << variant;
+      const smoe::DeviceStatus ds = g.status.download()[0];
+      if (variant == 2) {  // the untouched saved state: a normal backward
+        EXPECT_EQ(ds.flags & smoe::kStatusBadSavedState, 0u);
+        for (float v : to_float(g.dx.download())) ASSERT_TRUE(std::isfinite(v));
+        continue;
+      }
+      EXPECT_NE(ds.flags & smoe::kStatusBadSavedState, 0u) << "variant " << variant;
+      for (float v : to_float(g.dx.download())) ASSERT_TRUE(std::isnan(v)) << "dx, variant " << variant;
+      for (float v : to_float(g.dw1.download())) ASSERT_TRUE(std::isnan(v)) << "dw1, variant " << variant;
+      for (float v : to_float(g.dw2.download())) ASSERT_TRUE(std::isnan(v)) << "dw2, variant " << variant;
+      if (router == smoe::MoERouter::kProvided) {
+        for (float v : g.dscores.download()) ASSERT_TRUE(std::isnan(v)) << "dscores, variant " << variant;
+      } else {
+        for (float v : to_float(g.dwr.download())) ASSERT_TRUE(std::isnan(v)) << "dw_router, variant " << variant;
+      }
+    }
+  }
+}
