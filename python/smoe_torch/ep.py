@@ -46,11 +46,15 @@ class EpGroup:
                                  recv_capacity, barrier_timeout_ms)
         self.max_tokens, self.d, self.n, self.E, self.K = max_tokens, d, n, num_experts, top_k
         self.experts_per_rank = num_experts // self.world
+        self.info = dict(_ep.info(self.handle))
+        _ep_shapes[self.handle] = (self.n, self.K, self.world, self.info["experts_per_rank"],
+                                   self.info["local_slots"], self.info["recv_capacity"])
 
     def close(self):
         """Collective: every rank closes its group."""
         if self.handle:
             h, self.handle = self.handle, 0
+            _ep_shapes.pop(h, None)
             _ep.destroy(h)
 
     def status_flags(self):
@@ -61,16 +65,30 @@ class EpGroup:
         return _ep.saved_state_size(self.handle, T)
 
 
-_ep_k = {}   # handle -> K, for the backward's fake dscores shape
+_ep_shapes = {}   # handle -> (n, K, world, experts per rank, local slots, receive capacity)
+
+
+def _align(b):
+    return (b + 255) // 256 * 256
+
+
+def ep_saved_state_bytes(handle, T):
+    """ep_saved_state_size in Python (src/ep/ep_layer.cpp's saved layout: the local layer's saved state
+    over the receive capacity, then the counts, send_pos and ids), symbolic in T for torch.compile.
+    Tested against the C++ query (tests/python/test_ep.py)."""
+    from . import saved_state_bytes
+    n, K, R, El, Kl, cap = _ep_shapes[handle]
+    return saved_state_bytes(cap, n, El, Kl, router=2) + _align(R * R * 4) + _align(R * T * 4) + _align(T * K * 4)
+
 
 if _ep is not None:
     @torch.library.register_fake("smoe::ep_forward")
     def _ep_forward_fake(ctx, x, expert, scores, w1, w2):
-        return torch.empty_like(x), x.new_empty((_ep.saved_state_size(ctx, int(x.shape[0])),), dtype=torch.uint8)
+        return torch.empty_like(x), x.new_empty((ep_saved_state_bytes(ctx, x.shape[0]),), dtype=torch.uint8)
 
     @torch.library.register_fake("smoe::ep_backward")
     def _ep_backward_fake(ctx, dout, x, w1, w2, saved):
-        return (torch.empty_like(x), x.new_empty((x.shape[0], _ep_k[ctx]), dtype=torch.float32),
+        return (torch.empty_like(x), x.new_empty((x.shape[0], _ep_shapes[ctx][1]), dtype=torch.float32),
                 torch.empty_like(w1), torch.empty_like(w2))
 
     def _setup(ctx, inputs, output):
@@ -88,7 +106,6 @@ if _ep is not None:
 
 def ep_moe(group, x, expert, scores, w1_local, w2_local):
     """This rank's tokens through the expert-parallel layer (see the module docstring)."""
-    _ep_k[group.handle] = group.K
     out, _saved = torch.ops.smoe.ep_forward(group.handle, x, expert.to(torch.int32).contiguous(),
                                             scores.to(torch.float32).contiguous(), w1_local, w2_local)
     return out

@@ -64,6 +64,8 @@ def _worker(rank, world, port, seed, T, d, n, E, K, q):
         El = E // world
         sl, tl = slice(rank * El, (rank + 1) * El), slice(rank * T, (rank + 1) * T)
         grp = sep.EpGroup(max_tokens=T, d=d, n=n, num_experts=E, top_k=K)
+        # The fake implementation's saved size (Python, symbolic in T) against the C++ query.
+        sizes_ok = all(sep.ep_saved_state_bytes(grp.handle, t) == grp.saved_state_bytes(t) for t in (0, 1, T // 2, T))
         results = []
         for _ in range(2):
             x = x_all[tl].clone().requires_grad_(True)
@@ -85,7 +87,7 @@ def _worker(rank, world, port, seed, T, d, n, E, K, q):
         same = all(torch.equal(a, b) for a, b in zip(results[0], results[1]))
         finite = all(bool(torch.isfinite(a).all()) for a in results[0])
         empty_zero = bool((results[0][2][idx[tl] < 0] == 0).all())
-        q.put((rank, errs, same, finite, empty_zero))
+        q.put((rank, errs, same, finite, empty_zero and sizes_ok))
     except Exception as ex:  # reported by the parent
         q.put((rank, repr(ex), False, False, False))
     finally:
@@ -106,7 +108,8 @@ def test_ep2_matches_one_gpu(T, d, n, E, K):
             f"{k} {e:.2e}" for k, e in zip(names, errs))
         assert finite, f"rank {rank}: unwritten or non-finite outputs"
         assert same, f"rank {rank}: the second call is not bitwise identical to the first"
-        assert empty_zero, f"rank {rank}: empty slots must get dscores exactly 0"
+        assert empty_zero, (f"rank {rank}: empty slots must get dscores exactly 0, and the fake saved size "
+                            "must equal ep_saved_state_size")
 
 
 def _module_worker(rank, world, port, seed, q):

@@ -94,6 +94,19 @@ int64_t saved_state_size(int64_t hv, int64_t T) {
 
 at::Tensor status(int64_t hv) { return handle(hv)->status; }
 
+// What the Python fake implementation needs to size the saved state symbolically in T.
+pybind11::dict info(int64_t hv) {
+  const smoe::EpInfo i = smoe::ep_info(handle(hv)->ctx);
+  pybind11::dict d;
+  d["rank"] = i.rank;
+  d["world"] = i.world;
+  d["experts_per_rank"] = i.experts_per_rank;
+  d["local_slots"] = i.local_slots;
+  d["recv_capacity"] = i.recv_capacity;
+  d["window_bytes"] = i.window_bytes;
+  return d;
+}
+
 void check(const at::Tensor& t, const char* name, at::ScalarType dtype, std::initializer_list<int64_t> shape,
            const Handle* h) {
   TORCH_CHECK(t.is_cuda() && t.get_device() == h->device, "smoe: ", name,
@@ -221,6 +234,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("destroy", &destroy, "collective: frees the context and its communicator");
   m.def("saved_state_size", &saved_state_size, "bytes ep_forward keeps for backward at T tokens");
   m.def("roundtrip", &roundtrip, "dispatch + combine alone (identity experts): out = ranks hit * x");
+  m.def("info", &info, "rank, world, experts_per_rank, local_slots, recv_capacity, window_bytes");
   m.def("status", &status, "the context's DeviceStatus bytes (uint8 CUDA tensor)");
   m.def("ncclversion", [] { int v = 0; ncclGetVersion(&v); return v; }, "version of the NCCL linked");
 }
