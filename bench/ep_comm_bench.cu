@@ -71,7 +71,7 @@ void run_rank(ncclComm_t comm, int rank, int world, Point p, int reps, RankResul
   const int R = world;
   const size_t rows = size_t(p.T), slots = size_t(ctx->recv_capacity);
   int32_t *d_ids, *d_clean, *send_pos, *my_counts, *all_counts;
-  float *d_sc, *ds;
+  float* d_sc;
   smoe::bf16 *x, *y, *o;
   smoe::DeviceStatus* st;
   CK(cudaMalloc(&d_ids, rows * p.K * 4));
@@ -83,7 +83,6 @@ void run_rank(ncclComm_t comm, int rank, int world, Point p, int reps, RankResul
   CK(cudaMalloc(&x, rows * p.d * 2));
   CK(cudaMalloc(&o, rows * p.d * 2));
   CK(cudaMalloc(&y, slots * p.d * 2));
-  CK(cudaMalloc(&ds, slots * 4));
   CK(cudaMalloc(&st, sizeof(smoe::DeviceStatus)));
   CK(cudaMemset(st, 0, sizeof(smoe::DeviceStatus)));
   CK(cudaMemset(x, 0x3c, rows * p.d * 2));
@@ -140,7 +139,7 @@ void run_rank(ncclComm_t comm, int rank, int world, Point p, int reps, RankResul
     if (rep >= 0) out->combine_ms.push_back(ms);
   }
   for (void* ptr : {(void*)d_ids, (void*)d_clean, (void*)d_sc, (void*)send_pos, (void*)my_counts,
-                    (void*)all_counts, (void*)x, (void*)o, (void*)y, (void*)ds, (void*)st})
+                    (void*)all_counts, (void*)x, (void*)o, (void*)y, (void*)st})
     cudaFree(ptr);
   cudaStreamDestroy(stream);
   s = smoe::ep_destroy(ctx);

@@ -87,12 +87,8 @@ class TokenChoiceTopKRouter(nn.Module):
     def forward(self, x, expert_bias=None, bf16_logits=False):
         """(expert [T,K] int32, scores [T,K] float32, full scores [T,E]) in torch, differentiable in
         the scores. expert_bias [E] shifts the selection only (auxiliary-loss-free balancing)."""
-        # fp32 logits unless asked for bf16 ones: a bf16 GEMM's output is rounded to bf16 before any
-        # .float(), which ties and reorders near-equal logits that the fused router keeps apart.
-        if bf16_logits:
-            logits = F.linear(x, self.gate.weight.to(x.dtype))
-        else:
-            logits = F.linear(x.float(), self.gate.weight.float())
+        logits = F.linear(x, self.gate.weight.to(x.dtype))
+        logits = logits if bf16_logits else logits.float()
         scores = logits.softmax(-1) if self.score_func == "softmax" else torch.sigmoid(logits)
         scores = scores.float()
         sel = scores.detach() if expert_bias is None else scores.detach() + expert_bias

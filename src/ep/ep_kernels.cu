@@ -276,7 +276,7 @@ __global__ void __launch_bounds__(256) reduce_kernel(EpKernelArgs a, const int32
     if (q < R)
       for (int s = 0; s < a.rank; ++s) base_on[q] += all_counts[s * R + q];
   }
-  const int64_t base_self = base_on[a.rank < kMaxRanks ? a.rank : 0];
+  const int64_t base_self = base_on[a.rank];  // rank < world <= kMaxRanks (ep_create)
   const int lane = threadIdx.x & 31;
   const int64_t warp = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   const int64_t nwarps = (int64_t(gridDim.x) * blockDim.x) >> 5;

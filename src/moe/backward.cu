@@ -74,13 +74,14 @@ Status moe_backward(const MoEBackwardArgs& a, cudaStream_t stream) {
   const int32_t* expert_offset = w.expert_offset;
   const int32_t* valid = w.valid;
   const int32_t* nnz = expert_offset + s.E;
-  auto nan_if_invalid = [&]() -> Status {
-    SMOE_RETURN_IF_ERROR(kernels::nan_fill_if_invalid(valid, a.dx, tb.tokens, stream));
-    SMOE_RETURN_IF_ERROR(kernels::nan_fill_if_invalid(valid, a.dw1, tb.w1, stream));
-    SMOE_RETURN_IF_ERROR(kernels::nan_fill_if_invalid(valid, a.dw2, tb.w2, stream));
-    if (!provided) SMOE_RETURN_IF_ERROR(kernels::nan_fill_if_invalid(valid, a.dw_router, tb.router, stream));
-    if (provided) SMOE_RETURN_IF_ERROR(kernels::nan_fill_if_invalid(valid, a.dscores, tb.slots, stream));
-    return Status{};
+  auto nan_if_invalid = [&]() -> Status {  // the router gradient or dscores, by routing mode
+    return kernels::nan_fill_if_invalid(valid,
+                                        {{a.dx, tb.tokens},
+                                         {a.dw1, tb.w1},
+                                         {a.dw2, tb.w2},
+                                         {provided ? nullptr : a.dw_router, tb.router},
+                                         {provided ? a.dscores : nullptr, tb.slots}},
+                                        stream);
   };
   if (s.T == 0) {  // no token: every weight gradient is zero (they are overwritten, never accumulated)
     SMOE_CUDA_RETURN(cudaMemsetAsync(a.dw1, 0, tb.w1, stream));

@@ -262,11 +262,18 @@ __global__ void check_saved_kernel(const uint64_t* stamp, uint64_t magic, uint64
   for (int e = threadIdx.x; e <= E; e += blockDim.x) expert_offset_copy[e] = ok ? expert_offset[e] : 0;
 }
 
-__global__ void nan_fill_kernel(const int32_t* valid, uint32_t* p, int64_t words) {
+struct FillSpans {
+  uint32_t* p[kMaxFillSpans];
+  int64_t words[kMaxFillSpans];
+  int n;
+};
+
+__global__ void nan_fill_kernel(const int32_t* valid, FillSpans f) {
   if (*valid != 0) return;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < words;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    p[i] = 0xFFFFFFFFu;
+  for (int s = 0; s < f.n; ++s)
+    for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < f.words[s];
+         i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+      f.p[s][i] = 0xFFFFFFFFu;
 }
 
 __global__ void f32_to_bf16_kernel(const float* __restrict__ in, bf16* __restrict__ out, int64_t n) {
@@ -297,10 +304,18 @@ Status check_saved(const void* stamp, uint64_t magic, uint64_t shape_hash, uint6
   return Status{};
 }
 
-Status nan_fill_if_invalid(const int32_t* valid, void* p, size_t bytes, cudaStream_t stream) {
-  if (p == nullptr || bytes < 4) return Status{};
-  const int64_t words = static_cast<int64_t>(bytes / 4);
-  nan_fill_kernel<<<grid_for(words), kThreads, 0, stream>>>(valid, static_cast<uint32_t*>(p), words);
+Status nan_fill_if_invalid(const int32_t* valid, std::initializer_list<FillSpan> spans, cudaStream_t stream) {
+  FillSpans f{};
+  int64_t most = 0;
+  for (const FillSpan& sp : spans) {
+    if (sp.p == nullptr || sp.bytes < 4 || f.n == kMaxFillSpans) continue;
+    f.p[f.n] = static_cast<uint32_t*>(sp.p);
+    f.words[f.n] = static_cast<int64_t>(sp.bytes / 4);
+    most = f.words[f.n] > most ? f.words[f.n] : most;
+    ++f.n;
+  }
+  if (f.n == 0) return Status{};
+  nan_fill_kernel<<<grid_for(most), kThreads, 0, stream>>>(valid, f);
   SMOE_CHECK_LAUNCH("nan_fill_kernel");
   return Status{};
 }

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 
 #include <cuda_runtime_api.h>
 
@@ -21,8 +22,14 @@ Status write_saved_stamp(void* stamp, uint64_t magic, uint64_t shape_hash, uint6
 Status check_saved(const void* stamp, uint64_t magic, uint64_t shape_hash, uint64_t bytes,
                    const int32_t* expert_offset, int E, int32_t* valid, int32_t* expert_offset_copy,
                    DeviceStatus* status, cudaStream_t stream);
-// Every 4-byte word of p[0, bytes) = 0xFFFFFFFF (NaN in bf16 and fp32) when *valid == 0.
-Status nan_fill_if_invalid(const int32_t* valid, void* p, size_t bytes, cudaStream_t stream);
+// When *valid == 0, every 4-byte word of each span = 0xFFFFFFFF (NaN in bf16 and fp32). One launch
+// for all the spans (null or empty spans are skipped): on a valid call it reads one int and exits.
+struct FillSpan {
+  void* p;
+  size_t bytes;
+};
+constexpr int kMaxFillSpans = 5;
+Status nan_fill_if_invalid(const int32_t* valid, std::initializer_list<FillSpan> spans, cudaStream_t stream);
 
 // dst[r] = src[idx[r]] for r < rows; rows of d bf16 (d % 8 == 0). Only the CUTLASS dW path uses it.
 Status gather_rows(const bf16* src, int d, const int32_t* idx, int64_t rows, bf16* dst, cudaStream_t stream,
