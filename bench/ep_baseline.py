@@ -75,10 +75,16 @@ def ep_moe(x, wr, w1, w3, w2, K, E, group, experts_fn, route_fn=None):
     recv_split = recv_counts.view(R, El).sum(1).tolist()
     recv = all_to_all_single(x.new_empty(sum(recv_split), d), rows, recv_split, send_split, group=group)
     # Received rows are (source rank, local expert); permute to (local expert, source rank).
+    # On the device, with no further host sync (torchtitan does this with one kernel too): a received
+    # row j of block (r, l) goes to dst_off[l, r] + (j - src_off[r, l]); perm is that map's inverse.
     rc = recv_counts.view(R, El)
-    src_off = torch.cat([rc.new_zeros(1), rc.reshape(-1).cumsum(0)[:-1]]).view(R, El)
-    perm = torch.cat([torch.arange(src_off[r_, l], src_off[r_, l] + rc[r_, l], device=x.device)
-                      for l in range(El) for r_ in range(R)]) if recv.shape[0] else recv.new_zeros(0, dtype=torch.long)
+    n_recv = recv.shape[0]
+    src_off = (rc.reshape(-1).cumsum(0) - rc.reshape(-1)).view(R, El)
+    dst_off = (rc.t().reshape(-1).cumsum(0) - rc.t().reshape(-1)).view(El, R).t()   # [R, El]
+    block = torch.repeat_interleave(torch.arange(R * El, device=x.device), rc.reshape(-1), output_size=n_recv)
+    j = torch.arange(n_recv, device=x.device)
+    dpos = dst_off.reshape(-1)[block] + j - src_off.reshape(-1)[block]
+    perm = torch.empty_like(j).index_copy_(0, dpos, j)
     y = experts_fn(recv[perm], w1, w3, w2, rc.sum(0).tolist())
     back = torch.empty_like(y)
     back = back.index_copy(0, perm, y) if y.shape[0] else y

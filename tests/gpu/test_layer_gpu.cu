@@ -844,8 +844,9 @@ TEST(GpuBadInput, ForwardRejectsEveryRuleAndWritesNothing) {
       {"status is null", C::kInvalidArgument, [](F* a, GpuLayer&) { a->status = nullptr; }},
       {"workspace_bytes", C::kWorkspaceTooSmall, [](F* a, GpuLayer&) { a->workspace_bytes -= 1; }},
       {"out (", C::kInvalidArgument, [](F* a, GpuLayer&) { a->out = const_cast<bf16*>(a->x); }},
-      {"saved (", C::kInvalidArgument,
-       [](F* a, GpuLayer& g) { a->workspace = g.saved.get(); }},
+      // saved placed inside the workspace (not the workspace over saved: the workspace is larger
+      // than saved and would first reach whichever buffer the allocator put next to saved).
+      {"saved (", C::kInvalidArgument, [](F* a, GpuLayer& g) { a->saved = g.wsf.get(); }},
   };
   const smoe::MoEShape s{300, 128, 64, 8, 2};
   GpuLayer g(make_inputs(s, fresh_seed()));
