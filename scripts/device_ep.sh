@@ -5,7 +5,10 @@
 #   build   cmake build in build-device/ (all cores)       test   test_ep (C++, 2 GPUs)
 #   comm    ep_comm_bench: dispatch / combine bandwidth    torch  pip install . + tests/python/test_ep.py
 #   train   examples/ep_train under torchrun (EP = 2)      bench  bench/ep_baseline.py (EP_CONFIGS, EP_SYSTEMS)
-#   sanitize  compute-sanitizer memcheck on two small EP tests (NCCL's symmetric memory included)
+#   sanitize  compute-sanitizer memcheck on two small EP tests. Does not finish: under the sanitizer
+#             the two GPUs' kernels (one process, a thread per GPU) serialise, so a kernel waiting at
+#             an LSA barrier for its peer never sees it arrive (timed out at 300 s on 6910319).
+#             Kept for a later multi-process test binary; sanitize the single-GPU tests instead.
 # Logs and results go to $OUT, and all of them into $OUT/device_ep.tgz.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -38,7 +41,7 @@ if has torch; then
 fi
 has train && { step train 200 torchrun --nproc_per_node 2 examples/ep_train/ep_train.py --steps 100; grep -vE "Warning|\*\*\*\*" "$OUT/ep_train.log" | tail -14; }
 if has bench; then
-  SMOE_COMMIT=$COMMIT step bench 500 torchrun --nproc_per_node 2 bench/ep_baseline.py --warmup 1 --reps 5 \
+  SMOE_COMMIT=$COMMIT step bench "${EP_BENCH_TIMEOUT:-500}" torchrun --nproc_per_node 2 bench/ep_baseline.py --warmup "${EP_WARMUP:-2}" --reps "${EP_REPS:-7}" \
     ${EP_CONFIGS:+--only "$EP_CONFIGS"} --systems "${EP_SYSTEMS:-torchtitan_a2a,ours_local_a2a,ours_ep}" --out "$OUT/ep_$COMMIT.json"
   grep -E "^RESULT" "$OUT/ep_bench.log" | cut -c1-400
 fi

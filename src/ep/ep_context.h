@@ -62,13 +62,14 @@ cudaError_t launch_layout(const EpKernelArgs& a, const int32_t* expert, int32_t*
 // the full [R][R] matrix is copied to all_counts (caller memory, kept for backward).
 cudaError_t launch_exchange(const EpKernelArgs& a, const int32_t* my_counts, int32_t* all_counts,
                             cudaStream_t stream);
-// Dispatch: rows x (and dy, when not null) of every sent token to the peer's receive slots;
-// with x only and scores (forward) also the local ids / scores of the slot, and -1 ids in this
-// rank's unused slots (with neither dy nor scores: rows only). start_barrier: wait for the peers to have entered (backward; the forward's exchange did).
+// Dispatch: rows x (and dy, when not null) of every sent token to the peer's receive slots.
+// write_meta (forward, dy null): also the local ids / scores of each sent slot, and -1 ids in this
+// rank's own unused slots; scores may be null only when this rank sends nothing (T = 0).
+// start_barrier: wait for the peers to have entered (backward; the forward's exchange did).
 cudaError_t launch_dispatch(const EpKernelArgs& a, const int32_t* all_counts,
                             const int32_t* send_pos, const bf16* x, const bf16* dy,
-                            const int32_t* expert, const float* scores, bool start_barrier,
-                            int blocks, cudaStream_t stream);
+                            const int32_t* expert, const float* scores, bool write_meta,
+                            bool start_barrier, int blocks, cudaStream_t stream);
 // Combine push: rows of y (local layer output, [cap][d], slot order) received from source
 // s != rank go back to s's comb region row `rank`; ds ([cap][Kl]) likewise when not null.
 cudaError_t launch_combine(const EpKernelArgs& a, const int32_t* all_counts, const bf16* y,

@@ -146,7 +146,7 @@ __global__ void exchange_kernel(EpKernelArgs a, const int32_t* my_counts, int32_
 // Warp per token: the token's row goes once to every rank that holds one of its experts.
 __global__ void __launch_bounds__(kCommThreads) dispatch_kernel(
     EpKernelArgs a, const int32_t* all_counts, const int32_t* send_pos, const bf16* x,
-    const bf16* dy, const int32_t* ids, const float* scores, bool start_barrier) {
+    const bf16* dy, const int32_t* ids, const float* scores, bool write_meta, bool start_barrier) {
   Barrier bar(ncclCoopCta(), a.dev_comm, ncclTeamTagLsa(), blockIdx.x);
   if (start_barrier && !ep_sync(bar, cuda::memory_order_relaxed, a)) return;
   const int R = a.world;
@@ -187,7 +187,7 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_kernel(
       if (ys) {
         uint4* yd = reinterpret_cast<uint4*>(peer[q] + a.lay.recv_dy) + slot * vpr;
         for (int v = lane; v < vpr; v += 32) yd[v] = ys[v];
-      } else if (scores) {
+      } else if (write_meta) {
         // Slot j of the received token = the j-th of its entries (in k order) on rank q.
         int32_t* id_d = reinterpret_cast<int32_t*>(peer[q] + a.lay.meta_ids) + slot * a.Kl;
         float* sc_d = reinterpret_cast<float*>(peer[q] + a.lay.meta_scores) + slot * a.Kl;
@@ -210,7 +210,10 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_kernel(
       }
     }
   }
-  if (!dy && scores) {  // forward: this rank's slots past the received tokens route nowhere
+  // Forward: this rank's slots past the received tokens route nowhere. Keyed on write_meta, not on
+  // this rank's scores pointer: a rank with T = 0 may pass null scores, and its receive slots still
+  // need clearing (the window starts with whatever ncclMemAlloc left there).
+  if (write_meta) {
     int32_t* my_ids = reinterpret_cast<int32_t*>(a.local + a.lay.meta_ids);
     float* my_sc = reinterpret_cast<float*>(a.local + a.lay.meta_scores);
     const int64_t end = a.cap * a.Kl;
@@ -348,10 +351,10 @@ cudaError_t launch_exchange(const EpKernelArgs& a, const int32_t* my_counts, int
 
 cudaError_t launch_dispatch(const EpKernelArgs& a, const int32_t* all_counts,
                             const int32_t* send_pos, const bf16* x, const bf16* dy,
-                            const int32_t* expert, const float* scores, bool start_barrier,
-                            int blocks, cudaStream_t stream) {
+                            const int32_t* expert, const float* scores, bool write_meta,
+                            bool start_barrier, int blocks, cudaStream_t stream) {
   dispatch_kernel<<<blocks, kCommThreads, 0, stream>>>(a, all_counts, send_pos, x, dy, expert,
-                                                       scores, start_barrier);
+                                                       scores, write_meta, start_barrier);
   return cudaGetLastError();
 }
 

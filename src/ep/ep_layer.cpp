@@ -160,7 +160,7 @@ Status ep_roundtrip(EpContext* c, const EpRoundtripArgs& a, cudaStream_t stream)
                  "ep layout");
   SMOE_EP_LAUNCH(ep::launch_exchange(k, ws.my_counts, ws.all_counts, stream), "ep exchange");
   SMOE_EP_LAUNCH(ep::launch_dispatch(k, ws.all_counts, ws.send_pos, a.x, nullptr, ws.ids, nullptr,
-                                     /*start_barrier=*/false, c->config.comm_blocks, stream),
+                                     /*write_meta=*/false, /*start_barrier=*/false, c->config.comm_blocks, stream),
                  "ep dispatch");
   SMOE_EP_LAUNCH(ep::launch_combine(k, ws.all_counts, recv, nullptr, c->config.comm_blocks, stream),
                  "ep combine");
@@ -219,7 +219,7 @@ Status ep_forward(EpContext* c, const EpForwardArgs& a, cudaStream_t stream) {
                  "ep layout");
   SMOE_EP_LAUNCH(ep::launch_exchange(k, ws.my_counts, sv.all_counts, stream), "ep exchange");
   SMOE_EP_LAUNCH(ep::launch_dispatch(k, sv.all_counts, sv.send_pos, a.x, nullptr, sv.ids, a.scores,
-                                     /*start_barrier=*/false, c->config.comm_blocks, stream),
+                                     /*write_meta=*/true, /*start_barrier=*/false, c->config.comm_blocks, stream),
                  "ep dispatch");
   SMOE_RETURN_IF_ERROR(moe_forward(la, stream));
   SMOE_EP_LAUNCH(ep::launch_combine(k, sv.all_counts, ws.y, nullptr, c->config.comm_blocks, stream),
@@ -272,7 +272,7 @@ Status ep_backward(EpContext* c, const EpBackwardArgs& a, cudaStream_t stream) {
   // x is dispatched again with dout (same slots: the layout is the forward's), so the forward
   // keeps no copy of the received tokens.
   SMOE_EP_LAUNCH(ep::launch_dispatch(k, sv.all_counts, sv.send_pos, a.x, a.dout, sv.ids, nullptr,
-                                     /*start_barrier=*/true, c->config.comm_blocks, stream),
+                                     /*write_meta=*/false, /*start_barrier=*/true, c->config.comm_blocks, stream),
                  "ep dispatch (backward)");
   SMOE_RETURN_IF_ERROR(moe_backward(lb, stream));
   SMOE_EP_LAUNCH(ep::launch_combine(k, sv.all_counts, ws.dx, ws.ds, c->config.comm_blocks, stream),
