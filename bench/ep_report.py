@@ -11,6 +11,10 @@ Roofline (per rank, global batch T split evenly over R = 2 ranks, uniform routin
          same (dO out, dX~ back); at 350 GB/s, the LSA push measured on this machine
   roofline = max(GEMM, NVLink) (communication overlapped), fraction = roofline / measured.
 A later run of a config replaces an earlier one system by system (the raw files stay in ep_raw/).
+Baseline numbers (torchtitan_a2a, ours_local_a2a) of runs before 6910319 are dropped: that
+bench/ep_baseline.py built the baseline's receive permutation with E/R * R host syncs, which
+inflated its forward (1.4B: 13.1 ms, 5.0 ms with the on-device permutation). Our EP numbers of
+those runs stay (they never used that path).
 """
 import argparse
 import json
@@ -18,6 +22,7 @@ import math
 import os
 
 NVLINK_GBS = 350.0
+BASELINE_INVALID_RUNS = {"fbbbbad", "5e9fecd"}   # see the docstring
 
 
 def roofline(c, bound, R=2):
@@ -41,13 +46,16 @@ def main():
     root = os.path.dirname(os.path.abspath(__file__))
     bound = json.load(open(os.path.join(root, "cublas_bound.json")))["bound"]
     order = [c["name"] for c in json.load(open(os.path.join(root, "configs.json")))]
-    merged, meta = {}, {}
+    merged, meta, dropped = {}, {}, {}
     for f in args.raw:
         d = json.load(open(f))
         for r in d["results"]:
             name = r["config"]["name"]
             e = merged.setdefault(name, {"config": r["config"], "systems": {}})
             for s, v in r.get("systems", {}).items():
+                if s != "ours_ep" and d["commit"] in BASELINE_INVALID_RUNS:
+                    dropped.setdefault(name, set()).add(s)
+                    continue
                 e["systems"][s] = dict(v, commit=d["commit"])
         meta[d["commit"]] = {k: d.get(k) for k in ("gpu", "torch", "nccl", "world_size")}
     results = []
@@ -55,7 +63,9 @@ def main():
         c = next(c for c in json.load(open(os.path.join(root, "configs.json"))) if c["name"] == name)
         e = merged.get(name, {"config": dict(c, ep=2), "systems": {}})
         for s in ("ours_ep", "torchtitan_a2a", "ours_local_a2a"):
-            e["systems"].setdefault(s, {"error": "not measured: the device time of the session ran out first"})
+            why = ("not measured since 6910319 (the earlier run had the baseline's host-sync bug)"
+                   if s in dropped.get(name, ()) else "not measured: the device time of the session ran out first")
+            e["systems"].setdefault(s, {"error": why})
         rl = roofline(c, bound[name])
         e["systems"]["roofline"] = rl
         o = e["systems"]["ours_ep"]
