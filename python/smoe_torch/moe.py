@@ -2,16 +2,17 @@
 
 torchtitan's MoE keeps `router.gate.weight` [E, d], `experts.w1` (gate) [E, n, d],
 `experts.w2` [E, d, n] and `experts.w3` (up) [E, n, d]; its state dicts load unchanged here.
-The kernels take gate and up interleaved by row ([E, 2n, d], row 2j gate j, row 2j+1 up j), so
-forward builds that view with one stack (autograd splits the gradient back into w1 / w3).
-That copy costs E*2n*d*2 bytes of traffic per step; keeping the interleaved tensor as the
-parameter (with state-dict hooks) would remove it and is left for later.
+The kernels take gate and up interleaved by row ([E, 2n, d], row 2j gate j, row 2j+1 up j). The
+parameters w1 and w3 are allocated as the two halves of one [E, n, 2, d] storage (packing.py), so
+that operand is a view of them: no per-step copy of the expert weights when they are bf16. Cast
+from fp32, sharded (FSDP2 / DTensor) or replaced by hand, they fall back to one stack per step.
 """
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from . import _C  # noqa: F401  (registers torch.ops.smoe.*; imported before this module)
+from .packing import GroupedExperts, PackedGateUp  # noqa: F401  (GroupedExperts: the public name stays here)
 
 ops = torch.ops.smoe
 ROUNDING_MODES = {"nr": 0, "up": 1, "down": 2, "sr": 3}
@@ -104,24 +105,7 @@ class TokenChoiceTopKRouter(nn.Module):
         return idx.to(torch.int32), w * self.route_scale, scores
 
 
-class GroupedExperts(nn.Module):
-    def __init__(self, dim, hidden_dim, num_experts):
-        super().__init__()
-        self.num_experts = num_experts
-        self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
-        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
-        self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
-
-    def init_weights(self, std=0.02):
-        for w in (self.w1, self.w2, self.w3):
-            nn.init.trunc_normal_(w, mean=0.0, std=std)
-
-    def interleaved_w1(self, dtype):
-        E, n, d = self.w1.shape
-        return torch.stack((self.w1.to(dtype), self.w3.to(dtype)), dim=2).reshape(E, 2 * n, d)
-
-
-class SharedExperts(nn.Module):
+class SharedExperts(PackedGateUp):
     """Always-on SwiGLU experts (DeepSeek / Qwen-MoE shared experts), torchtitan's FeedForward names:
     w1 (gate) [h, d], w2 [d, h], w3 (up) [h, d] as nn.Linear weights, h = hidden_dim * count. Runs on
     the same kernels as a one-expert MoE every token is routed to with score 1."""
@@ -131,14 +115,18 @@ class SharedExperts(nn.Module):
         self.w1 = nn.Linear(dim, hidden_dim, bias=False)
         self.w2 = nn.Linear(hidden_dim, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+        self._repack()
+        self._register_repack_hook()
+
+    def _gate_up(self):
+        return self.w1.weight, self.w3.weight
 
     def init_weights(self, std=0.02):
         for lin in (self.w1, self.w2, self.w3):
             nn.init.trunc_normal_(lin.weight, mean=0.0, std=std)
 
     def forward(self, x2):
-        h, d = self.w1.weight.shape
-        w1 = torch.stack((self.w1.weight.to(x2.dtype), self.w3.weight.to(x2.dtype)), dim=1).reshape(1, 2 * h, d)
+        w1 = self.interleaved_w1(x2.dtype).unsqueeze(0)  # [1, 2h, d]
         w2 = self.w2.weight.to(x2.dtype).unsqueeze(0)
         T = x2.shape[0]
         expert = torch.zeros(T, 1, dtype=torch.int32, device=x2.device)

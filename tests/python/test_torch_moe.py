@@ -97,6 +97,27 @@ def test_forward_and_all_gradients_match_fp32_torch(T, d, n, E, K):
     assert rel_l2(m.experts.w3.grad, ref_params[4].grad) <= TOL, msg
 
 
+def test_packed_expert_weights_are_read_in_place_and_match_the_copy():
+    """experts.w1 / w3 share one storage, so the kernels' operand is a view (no per-step copy); a module
+    whose pair is unpacked (w3 replaced by a copy) takes the stack path: bitwise the same results."""
+    gen = fresh_gen()
+    T, d, n, E, K = 300, 128, 64, 8, 2
+    x, wr, w1, w2, w3, dout = draw(T, d, n, E, K, gen)
+    packed = module_with(wr, w1, w2, w3, K)
+    ex = packed.experts
+    assert ex.interleaved_w1(torch.bfloat16).data_ptr() == ex.w1.data_ptr(), "a view, not a copy"
+    loose = module_with(wr, w1, w2, w3, K)
+    loose.experts.w3 = torch.nn.Parameter(loose.experts.w3.detach().clone())
+    assert loose.experts.interleaved_w1(torch.bfloat16).data_ptr() != loose.experts.w1.data_ptr()
+    res = []
+    for m in (packed, loose):
+        xg = x.clone().requires_grad_(True)
+        m(xg).backward(dout)
+        res.append([xg.grad, m.experts.w1.grad, m.experts.w2.grad, m.experts.w3.grad, m.router.gate.weight.grad])
+    for a, b in zip(*res):
+        assert torch.equal(a, b)
+
+
 def test_torch_compile_fullgraph_matches_eager():
     T, d, n, E, K = 256, 256, 128, 16, 4
     x, wr, w1, w2, w3, dout = draw(T, d, n, E, K, fresh_gen())

@@ -1,0 +1,147 @@
+"""The gate/up pair of SwiGLU experts in one interleaved storage, so that the kernels' w1 operand
+is a view, not a per-step copy.
+
+The kernels take the first projection as one [..., 2h, d] tensor with gate and up rows interleaved
+(row 2j = gate row j, row 2j + 1 = up row j: the SwiGLU pair lands in one thread's accumulators).
+torchtitan stores the two as separate parameters w1 (gate) and w3 (up), each [..., h, d]. The
+modules here keep those names, shapes and state-dict keys, but allocate both parameters as views
+of one [..., h, 2, d] storage (`pack_pair_`). `interleaved_pair(w1, w3)` then returns the
+[..., 2h, d] kernel operand over that same memory, with no copy, and its backward hands each
+parameter its strided half of the kernel's gradient (one copy at most, when autograd accumulates
+it). Whenever the two are not in that layout (another dtype to cast to, FSDP / DTensor shards, a
+parameter replaced by hand, torch.compile tracing), it falls back to the copy (torch.stack), with
+the same values and gradients.
+
+The layout survives `.to()` / `.cuda()` / `to_empty()` (the modules re-pack in `_apply`),
+`load_state_dict` (in-place copies keep it; `assign=True` is re-packed by a post hook) and
+`copy.deepcopy` / pickling (re-packed in `__setstate__`).
+No torch extension is imported here: the CPU tests check this module without a GPU.
+"""
+import torch
+
+
+def _packed_strides(w):
+    """Strides a [..., h, d] half of a contiguous [..., h, 2, d] storage has."""
+    d = w.shape[-1]
+    strides, acc = [1, 2 * d], 2 * d * w.shape[-2]
+    for size in reversed(w.shape[:-2]):
+        strides.append(acc)
+        acc *= size
+    return tuple(reversed(strides))
+
+
+def is_packed_pair(w1, w3):
+    """True when w3 is the up half next to w1's gate half in one [..., h, 2, d] storage."""
+    if not (type(w1) in (torch.Tensor, torch.nn.Parameter) and type(w3) in (torch.Tensor, torch.nn.Parameter)):
+        return False  # DTensor and other subclasses: their local storage is not ours to reinterpret
+    if w1.shape != w3.shape or w1.dtype != w3.dtype or w1.device != w3.device or w1.dim() < 2:
+        return False
+    if w1.device.type == "meta" or w1.numel() == 0:
+        return False
+    want = _packed_strides(w1)
+    if w1.stride() != want or w3.stride() != want:
+        return False
+    if w1.untyped_storage().data_ptr() != w3.untyped_storage().data_ptr():
+        return False
+    return w3.storage_offset() == w1.storage_offset() + w1.shape[-1]
+
+
+class _InterleavedView(torch.autograd.Function):
+    """[..., h, d] x 2 halves of one storage -> the [..., 2h, d] interleaved view over it."""
+
+    @staticmethod
+    def forward(ctx, w1, w3):
+        h, d = w1.shape[-2:]
+        shape = (*w1.shape[:-2], 2 * h, d)
+        stride = (*w1.stride()[:-2], d, 1)
+        return w1.as_strided(shape, stride, w1.storage_offset())
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.unflatten(-2, (g.shape[-2] // 2, 2))  # [..., h, 2, d]: row 2j + i -> (j, i)
+        return g[..., 0, :], g[..., 1, :]
+
+
+def interleaved_pair(w1, w3, dtype):
+    """The kernels' [..., 2h, d] operand (gate row j at 2j, up row j at 2j + 1) in `dtype`.
+
+    A view of the parameters' memory when they are packed (`pack_pair_`) and already in `dtype`;
+    otherwise a copy, as torch.stack would make it. Gradients flow to w1 and w3 either way."""
+    if w1.dtype == dtype and not torch.compiler.is_compiling() and is_packed_pair(w1, w3):
+        return _InterleavedView.apply(w1, w3)
+    return torch.stack((w1.to(dtype), w3.to(dtype)), dim=-2).flatten(-3, -2)
+
+
+@torch.no_grad()
+def pack_pair_(w1, w3):
+    """Re-seat the two parameters (same shape, dtype, device) as halves of one new [..., h, 2, d]
+    storage, values kept. The Parameter objects stay the same (optimizers keep their references);
+    only `.data` moves. Subclasses (DTensor), meta tensors and mismatched pairs are left alone.
+    Returns whether the pair is packed afterwards."""
+    if is_packed_pair(w1, w3):
+        return True
+    if not (type(w1) is torch.nn.Parameter and type(w3) is torch.nn.Parameter):
+        return False
+    if w1.shape != w3.shape or w1.dtype != w3.dtype or w1.device != w3.device or w1.dim() < 2:
+        return False
+    if w1.device.type == "meta" or w1.numel() == 0:
+        return False
+    packed = torch.empty((*w1.shape[:-1], 2, w1.shape[-1]), dtype=w1.dtype, device=w1.device)
+    packed[..., 0, :] = w1
+    packed[..., 1, :] = w3
+    w1.data = packed[..., 0, :]
+    w3.data = packed[..., 1, :]
+    return True
+
+
+class PackedGateUp(torch.nn.Module):
+    """Keeps a module's (gate, up) parameter pair packed in one storage (packing.py): after every
+    `.to()` / `.cuda()` / `to_empty()` and every `load_state_dict`. Subclasses name the pair."""
+
+    def _gate_up(self):
+        raise NotImplementedError
+
+    def _repack(self):
+        return pack_pair_(*self._gate_up())
+
+    def _apply(self, *args, **kwargs):
+        out = super()._apply(*args, **kwargs)  # moves each parameter on its own: re-pack after
+        self._repack()
+        return out
+
+    def _register_repack_hook(self):
+        self.register_load_state_dict_post_hook(self._repack_after_load)  # a method: modules still pickle
+
+    def _repack_after_load(self, module, incompatible_keys):
+        self._repack()  # load_state_dict(assign=True) put separate tensors in place
+
+    def __setstate__(self, state):  # copy.deepcopy / pickle copy each parameter on its own
+        super().__setstate__(state)
+        self._repack()
+
+    def interleaved_w1(self, dtype):
+        """The kernels' [E, 2h, d] first projection (gate/up rows interleaved): a view when packed."""
+        w1, w3 = self._gate_up()
+        return interleaved_pair(w1, w3, dtype)
+
+
+class GroupedExperts(PackedGateUp):
+    """torchtitan's GroupedExperts parameters: w1 (gate) [E, n, d], w2 [E, d, n], w3 (up) [E, n, d].
+    w1 and w3 are views of one [E, n, 2, d] storage (see above), so the kernels read them with no
+    per-step copy; names, shapes and state-dict keys are torchtitan's."""
+
+    def __init__(self, dim, hidden_dim, num_experts):
+        super().__init__()
+        self.num_experts = num_experts
+        self.w1 = torch.nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.w2 = torch.nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        self.w3 = torch.nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self._repack()
+        self._register_repack_hook()
+
+    def _gate_up(self):
+        return self.w1, self.w3
+
+    def init_weights(self, std=0.02):
+        for w in (self.w1, self.w2, self.w3):
+            torch.nn.init.trunc_normal_(w, mean=0.0, std=std)

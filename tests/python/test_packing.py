@@ -1,0 +1,158 @@
+"""CPU tests of the packed gate/up parameters (python/smoe_torch/packing.py): no GPU, no extension.
+
+The kernels' first-projection operand must be a view of w1/w3 (no per-step copy) when they are
+packed, with the values and gradients of the torch.stack it replaces; every way the packing can be
+lost (a device or dtype move, load_state_dict with assign, a replaced parameter) must either re-pack
+or fall back to the copy, never give a wrong operand.
+    python3 -m pytest -q tests/python/test_packing.py
+"""
+import copy
+import importlib.util
+import io
+import os
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+_spec = importlib.util.spec_from_file_location(
+    "smoe_packing", os.path.join(os.path.dirname(__file__), "..", "..", "python", "smoe_torch", "packing.py"))
+packing = importlib.util.module_from_spec(_spec)
+sys.modules["smoe_packing"] = packing  # importable by name: torch.save pickles the module's class
+_spec.loader.exec_module(packing)
+
+
+def stacked(w1, w3, dtype):
+    """The copy the view replaces (what moe.py did before)."""
+    E, n, d = w1.shape
+    return torch.stack((w1.to(dtype), w3.to(dtype)), dim=2).reshape(E, 2 * n, d)
+
+
+def experts(E=3, n=5, d=7, seed=0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    m = packing.GroupedExperts(d, n, E).to(dtype)
+    m.init_weights(0.5)
+    return m
+
+
+def is_view_of_params(op, m):
+    return op.data_ptr() == m.w1.data_ptr() and op.untyped_storage().data_ptr() == m.w3.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_operand_is_a_view_with_the_stacked_values(dtype):
+    m = experts(dtype=dtype)
+    assert packing.is_packed_pair(m.w1, m.w3)
+    op = m.interleaved_w1(dtype)
+    assert is_view_of_params(op, m), "no copy when packed"
+    assert op.is_contiguous() and op.shape == (3, 10, 7)
+    assert torch.equal(op, stacked(m.w1, m.w3, dtype))
+    # Writes through the parameters (an optimizer step) show in the operand at once.
+    with torch.no_grad():
+        m.w3.add_(1.0)
+    assert torch.equal(op, stacked(m.w1, m.w3, dtype))
+
+
+def test_gradients_match_the_stack():
+    m = experts(dtype=torch.float64)
+    ref = experts(dtype=torch.float64)
+    g = torch.randn(3, 10, 7, dtype=torch.float64)
+    (m.interleaved_w1(torch.float64) * g).sum().backward()
+    (stacked(ref.w1, ref.w3, torch.float64) * g).sum().backward()
+    assert torch.equal(m.w1.grad, ref.w1.grad) and torch.equal(m.w3.grad, ref.w3.grad)
+    assert m.w2.grad is None
+    # gradcheck of the view itself (float64 halves of one packed storage).
+    w1, w3 = m.w1.detach().clone().requires_grad_(), m.w3.detach().clone().requires_grad_()
+    assert packing.pack_pair_(torch.nn.Parameter(w1), torch.nn.Parameter(w3))
+    p1, p3 = torch.nn.Parameter(m.w1.detach().clone()), torch.nn.Parameter(m.w3.detach().clone())
+    assert packing.pack_pair_(p1, p3) and packing.is_packed_pair(p1, p3)
+    assert torch.autograd.gradcheck(lambda a, b: packing._InterleavedView.apply(a, b), (p1, p3))
+
+
+def test_other_dtype_copies_and_still_matches():
+    m = experts(dtype=torch.float32)
+    op = m.interleaved_w1(torch.bfloat16)
+    assert not is_view_of_params(op, m)
+    assert torch.equal(op, stacked(m.w1, m.w3, torch.bfloat16))
+
+
+def test_moves_and_casts_repack():
+    m = experts(dtype=torch.float32)
+    w1_obj = m.w1
+    m = m.to(torch.bfloat16)
+    assert m.w1 is w1_obj, "the Parameter objects survive (optimizers keep their references)"
+    assert packing.is_packed_pair(m.w1, m.w3)
+    assert is_view_of_params(m.interleaved_w1(torch.bfloat16), m)
+    meta = packing.GroupedExperts(8, 4, 2).to("meta")
+    assert not packing.is_packed_pair(meta.w1, meta.w3)
+    real = meta.to_empty(device="cpu")
+    assert packing.is_packed_pair(real.w1, real.w3), "to_empty re-packs"
+
+
+def test_state_dict_keys_shapes_and_loads():
+    m = experts(dtype=torch.float32)
+    sd = m.state_dict()
+    assert sorted(sd) == ["w1", "w2", "w3"] and sd["w1"].shape == (3, 5, 7) and sd["w3"].shape == (3, 5, 7)
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    loaded = torch.load(buf)
+    assert torch.equal(loaded["w1"], m.w1) and torch.equal(loaded["w3"], m.w3)
+    # A torchtitan checkpoint: separate contiguous tensors.
+    src = {k: torch.randn_like(v).contiguous() for k, v in sd.items()}
+    for assign in (False, True):
+        t = experts(seed=1)
+        t.load_state_dict(src, assign=assign)
+        assert packing.is_packed_pair(t.w1, t.w3), f"assign={assign}: packed after load"
+        assert torch.equal(t.w1, src["w1"]) and torch.equal(t.w3, src["w3"]) and torch.equal(t.w2, src["w2"])
+        assert torch.equal(t.interleaved_w1(torch.float32), stacked(src["w1"], src["w3"], torch.float32))
+
+
+def test_deepcopy_and_pickle_repack():
+    m = experts()
+    for c in (copy.deepcopy(m), _pickled(m)):
+        assert packing.is_packed_pair(c.w1, c.w3)
+        assert c.w1.data_ptr() != m.w1.data_ptr(), "a copy, not the same memory"
+        assert torch.equal(c.interleaved_w1(torch.float32), m.interleaved_w1(torch.float32))
+
+
+def _pickled(m):
+    buf = io.BytesIO()
+    torch.save(m, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
+def test_replaced_or_unrelated_parameters_fall_back():
+    m = experts()
+    m.w3 = torch.nn.Parameter(torch.randn(3, 5, 7))  # by hand: not next to w1 any more
+    assert not packing.is_packed_pair(m.w1, m.w3)
+    op = m.interleaved_w1(torch.float32)
+    assert not is_view_of_params(op, m)
+    assert torch.equal(op, stacked(m.w1, m.w3, torch.float32))
+    # Swapped halves, and a pair one element off, are not packed.
+    m = experts()
+    assert not packing.is_packed_pair(m.w3, m.w1)
+    base = torch.empty(3, 5, 2, 8)
+    assert not packing.is_packed_pair(base[..., 0, :7], base[..., 1, 1:])
+    # Non-Parameter tensors are never re-seated.
+    a, b = torch.randn(2, 3), torch.randn(2, 3)
+    assert not packing.pack_pair_(a, b)
+
+
+def test_shared_experts_style_2d_pair():
+    # nn.Linear weights [h, d] (SharedExperts): the same packing in two dimensions.
+    w1 = torch.nn.Parameter(torch.randn(6, 4))
+    w3 = torch.nn.Parameter(torch.randn(6, 4))
+    v1, v3 = w1.detach().clone(), w3.detach().clone()
+    assert packing.pack_pair_(w1, w3)
+    op = packing.interleaved_pair(w1, w3, torch.float32)
+    assert op.data_ptr() == w1.data_ptr() and op.shape == (12, 4)
+    assert torch.equal(op, torch.stack((v1, v3), dim=1).reshape(12, 4))
+
+
+def test_compiling_falls_back_to_the_stack():
+    m = experts()
+    f = torch.compile(lambda: m.interleaved_w1(torch.float32), backend="eager", fullgraph=True)
+    assert torch.equal(f(), stacked(m.w1, m.w3, torch.float32))
