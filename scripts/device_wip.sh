@@ -4,8 +4,8 @@
 #   1. applies WIP_PATCHES (default: every docs/wip/*.patch) to the working copy;
 #   2. builds (scripts/device_check.sh with no test step);
 #   3. runs the GPU tests the patches touch (engine, layer, bad input), WIP_TEST_TIMEOUT seconds;
-#   4. cluster-n: bench_layer stage times (down_proj, dX_proj) with SMOE_ENGINE_CLUSTER=n2 against
-#      the default, on WIP_CONFIGS.
+#   4. gate/up as two tensors: bench_layer stage times with SMOE_BENCH_GATE_UP=two (MoEWeights::w3)
+#      against the interleaved layout, on WIP_CONFIGS.
 # Logs to $OUT and $OUT/device_wip.tgz. Nothing is committed: land a patch only if its tests pass.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -21,13 +21,13 @@ timeout "${WIP_TEST_TIMEOUT:-400}" build-device/test_gpu \
   --gtest_filter='GpuEngine.*:GpuBadInput.*:GpuLayer.*:GpuLayerRouting.*' >"$OUT/wip_tests.log" 2>&1
 echo "tests rc=$?"
 grep -E "^\[  (PASSED|FAILED)|^\[  FAILED|Failure|Expected|Which is" "$OUT/wip_tests.log" | head -40
-CONFIGS="${WIP_CONFIGS:-1.4B n256 E128 K8,30B n256 E256 K16,OLMoE-7B,Qwen3-235B}"
+CONFIGS="${WIP_CONFIGS:-1.4B n256 E128 K8,30B n256 E256 K16,OLMoE-7B,Qwen3-235B,DeepSeek-V3.2}"
 if [ -x build-device/bench_layer ]; then
-  for mode in default n2; do
-    if [ "$mode" = n2 ]; then export SMOE_ENGINE_CLUSTER=n2; else unset SMOE_ENGINE_CLUSTER; fi
+  for mode in interleaved two; do
+    if [ "$mode" = two ]; then export SMOE_BENCH_GATE_UP=two; else unset SMOE_BENCH_GATE_UP; fi
     timeout 200 build-device/bench_layer --only "$CONFIGS" --warmup 2 --reps 5 >"$OUT/wip_bench_$mode.log" 2>&1
-    echo "== $mode"; grep -oE "^[^ ].*|down_proj=[0-9.]+|dX_proj=[0-9.]+" "$OUT/wip_bench_$mode.log" | head -40
+    echo "== $mode"; grep -oE "^[^ ].*|up_proj=[0-9.]+|dA_proj=[0-9.]+|dW1=[0-9.]+|dX_proj=[0-9.]+" "$OUT/wip_bench_$mode.log" | head -40
   done
-  unset SMOE_ENGINE_CLUSTER
+  unset SMOE_BENCH_GATE_UP
 fi
 tar czf "$OUT/device_wip.tgz" -C "$OUT" $(cd "$OUT" && ls wip_* 2>/dev/null) 2>/dev/null || true
