@@ -5,29 +5,45 @@
 #   2. builds (scripts/device_check.sh with no test step);
 #   3. runs the GPU tests the patches touch (engine, layer, bad input), WIP_TEST_TIMEOUT seconds;
 #   4. gate/up as two tensors: bench_layer stage times with SMOE_BENCH_GATE_UP=two (MoEWeights::w3)
-#      against the interleaved layout, on WIP_CONFIGS.
-# Logs to $OUT and $OUT/device_wip.tgz. Nothing is committed: land a patch only if its tests pass.
+#      against the interleaved layout, on WIP_CONFIGS;
+#   5. torch: pip install . (the extension with the patches) and pytest tests/python.
+# WIP_STEPS (default "tests bench torch") picks steps 3-5, e.g. two calls: "tests bench", then "torch"
+# (a warm machine keeps build-device/; the patches apply again without harm: already-applied ones
+# are skipped). Logs to $OUT and $OUT/device_wip.tgz. Nothing is committed: land a patch only if its
+# tests pass.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 OUT="${OUT:-$ROOT/out}"
 mkdir -p "$OUT"
+WIP_STEPS="${WIP_STEPS:-tests bench torch}"
+has() { case " $WIP_STEPS " in *" $1 "*) return 0;; esac; return 1; }
 for p in ${WIP_PATCHES:-docs/wip/*.patch}; do
-  if git apply "$p" 2>/dev/null || patch -p1 --forward --silent < "$p"; then echo "applied $p"; else echo "FAILED to apply $p"; fi
+  if git apply --reverse --check "$p" 2>/dev/null; then echo "already applied $p"
+  elif git apply "$p" 2>/dev/null || patch -p1 --forward --silent < "$p"; then echo "applied $p"
+  else echo "FAILED to apply $p"; fi
 done
 STEPS=none bash scripts/device_check.sh 2>&1 | grep -E "build:|error" | head -20
 [ -x build-device/test_gpu ] || { echo "no test binary: build failed"; exit 1; }
-timeout "${WIP_TEST_TIMEOUT:-400}" build-device/test_gpu \
-  --gtest_filter='GpuEngine.*:GpuBadInput.*:GpuLayer.*:GpuLayerRouting.*' >"$OUT/wip_tests.log" 2>&1
-echo "tests rc=$?"
-grep -E "^\[  (PASSED|FAILED)|^\[  FAILED|Failure|Expected|Which is" "$OUT/wip_tests.log" | head -40
+if has tests; then
+  timeout "${WIP_TEST_TIMEOUT:-400}" build-device/test_gpu \
+    --gtest_filter='GpuEngine.*:GpuBadInput.*:GpuLayer.*:GpuLayerRouting.*' >"$OUT/wip_tests.log" 2>&1
+  echo "tests rc=$?"
+  grep -E "^\[  (PASSED|FAILED)|^\[  FAILED|Failure|Expected|Which is" "$OUT/wip_tests.log" | head -40
+fi
 CONFIGS="${WIP_CONFIGS:-1.4B n256 E128 K8,30B n256 E256 K16,OLMoE-7B,Qwen3-235B,DeepSeek-V3.2}"
-if [ -x build-device/bench_layer ]; then
+if has bench && [ -x build-device/bench_layer ]; then
   for mode in interleaved two; do
     if [ "$mode" = two ]; then export SMOE_BENCH_GATE_UP=two; else unset SMOE_BENCH_GATE_UP; fi
     timeout 200 build-device/bench_layer --only "$CONFIGS" --warmup 2 --reps 5 >"$OUT/wip_bench_$mode.log" 2>&1
     echo "== $mode"; grep -oE "^[^ ].*|up_proj=[0-9.]+|dA_proj=[0-9.]+|dW1=[0-9.]+|dX_proj=[0-9.]+" "$OUT/wip_bench_$mode.log" | head -40
   done
   unset SMOE_BENCH_GATE_UP
+fi
+if has torch; then
+  timeout 300 python3 -m pip install --no-build-isolation --no-deps -q . >"$OUT/wip_pip.log" 2>&1
+  echo "pip rc=$?"
+  (cd /tmp && timeout 200 python3 -m pytest -q "$ROOT/tests/python" -p no:cacheprovider) >"$OUT/wip_pytest.log" 2>&1
+  echo "pytest rc=$?"; tail -3 "$OUT/wip_pytest.log"; grep -E "^FAILED|Error" "$OUT/wip_pytest.log" | head -10
 fi
 tar czf "$OUT/device_wip.tgz" -C "$OUT" $(cd "$OUT" && ls wip_* 2>/dev/null) 2>/dev/null || true
