@@ -5,6 +5,9 @@
 #   build   cmake build in build-device/ (all cores)       test   test_ep (C++, 2 GPUs)
 #   comm    ep_comm_bench: dispatch / combine bandwidth    torch  pip install . + tests/python/test_ep.py
 #   train   examples/ep_train under torchrun (EP = 2)      bench  bench/ep_baseline.py (EP_CONFIGS, EP_SYSTEMS)
+#   pkb     issue 12: bench/pkb_ep.py at every world size in PKB_SIZES (default 1 2 4 8, those the
+#           machine has) and scaling mode in PKB_SCALING (default strong weak), then
+#           bench/pkb_report.py -> $OUT/ep_scaling.{json,md,png}; PKB_SEEDS (2), PKB_TIMEOUT (300 s a run)
 #   sanitize  compute-sanitizer memcheck on two small EP tests. Does not finish: under the sanitizer
 #             the two GPUs' kernels (one process, a thread per GPU) serialise, so a kernel waiting at
 #             an LSA barrier for its peer never sees it arrive (timed out at 300 s on 6910319).
@@ -45,4 +48,17 @@ if has bench; then
     ${EP_CONFIGS:+--only "$EP_CONFIGS"} --systems "${EP_SYSTEMS:-torchtitan_a2a,ours_local_a2a,ours_ep}" --out "$OUT/ep_$COMMIT.json"
   grep -E "^RESULT" "$OUT/ep_bench.log" | cut -c1-400
 fi
-tar czf "$OUT/device_ep.tgz" -C "$OUT" $(cd "$OUT" && ls ep_* 2>/dev/null) 2>/dev/null || true
+if has pkb; then
+  NG=$(nvidia-smi -L | wc -l)
+  for R in ${PKB_SIZES:-1 2 4 8}; do
+    [ "$R" -le "$NG" ] || continue
+    for sc in ${PKB_SCALING:-strong weak}; do
+      SMOE_COMMIT=$COMMIT step "pkb_${sc}_$R" "${PKB_TIMEOUT:-300}" torchrun --nproc_per_node "$R" bench/pkb_ep.py \
+        --scaling "$sc" --seeds "${PKB_SEEDS:-2}" ${EP_CONFIGS:+--only "$EP_CONFIGS"} --out "$OUT/pkb_${sc}_$R.json"
+      grep -E "^FAST@P" "$OUT/ep_pkb_${sc}_$R.log"
+    done
+  done
+  python3 bench/pkb_report.py "$OUT"/pkb_*.json --out "$OUT/ep_scaling" --device "$NG x $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" \
+    --date "$(date +%F)" && head -12 "$OUT/ep_scaling.md"
+fi
+tar czf "$OUT/device_ep.tgz" -C "$OUT" $(cd "$OUT" && ls ep_* pkb_* 2>/dev/null) 2>/dev/null || true
