@@ -20,7 +20,10 @@ OUT="${OUT:-$ROOT/out}"
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0   # NVLink multicast stays off on shared machines
 STEPS="${EP_STEPS:-build test comm torch train}"
-COMMIT="$(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+# The commit results are labelled with: pass SMOE_COMMIT from the local side (put the hash in the
+# device command). The device's copy of .git may be stale: on 2026-11-30 it reported the session's
+# first commit (6ab4848) for a run of a69cc78's tree.
+COMMIT="${SMOE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 has() { case " $STEPS " in *" $1 "*) return 0;; esac; return 1; }
 step() {  # name timeout command...
   local name=$1 t=$2; shift 2
