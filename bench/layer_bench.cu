@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <cstdio>
 #include <ctime>
 #include <fstream>
@@ -198,6 +200,12 @@ Result run_layer(const Config& c, int warmup, int reps, const std::string& route
   b.dw_router = dwr;
   b.dw1 = dw1;
   b.dw2 = dw2;
+  // SMOE_BENCH_GATE_UP=two: gate/up as two tensors (MoEWeights::w3), the halves of the same buffers.
+  if (const char* gu = std::getenv("SMOE_BENCH_GATE_UP"); gu != nullptr && std::strcmp(gu, "two") == 0) {
+    f.weights.w3 = w1 + w1n / 2;
+    b.weights = f.weights;
+    b.dw3 = dw1 + w1n / 2;
+  }
   b.workspace = wsb;
   b.workspace_bytes = wsb_b;
 

@@ -6,7 +6,8 @@
 #   3. runs the GPU tests the patches touch (engine, layer, bad input), WIP_TEST_TIMEOUT seconds;
 #   4. gate/up as two tensors: bench_layer stage times with SMOE_BENCH_GATE_UP=two (MoEWeights::w3)
 #      against the interleaved layout, on WIP_CONFIGS;
-#   5. torch: pip install . (the extension with the patches) and pytest tests/python.
+#   5. torch: pip install . (the extension with the patches) and pytest tests/python;
+#   6. module: bench/module_vs_op.py (the torch module's time against the bare op), after torch.
 # WIP_STEPS (default "tests bench torch") picks steps 3-5, e.g. two calls: "tests bench", then "torch"
 # (a warm machine keeps build-device/; the patches apply again without harm: already-applied ones
 # are skipped). Logs to $OUT and $OUT/device_wip.tgz. Nothing is committed: land a patch only if its
@@ -18,6 +19,7 @@ OUT="${OUT:-$ROOT/out}"
 mkdir -p "$OUT"
 WIP_STEPS="${WIP_STEPS:-tests bench torch}"
 has() { case " $WIP_STEPS " in *" $1 "*) return 0;; esac; return 1; }
+shopt -s nullglob
 for p in ${WIP_PATCHES:-docs/wip/*.patch}; do
   if git apply --reverse --check "$p" 2>/dev/null; then echo "already applied $p"
   elif git apply "$p" 2>/dev/null || patch -p1 --forward --silent < "$p"; then echo "applied $p"
@@ -45,5 +47,10 @@ if has torch; then
   echo "pip rc=$?"
   (cd /tmp && timeout 200 python3 -m pytest -q "$ROOT/tests/python" -p no:cacheprovider) >"$OUT/wip_pytest.log" 2>&1
   echo "pytest rc=$?"; tail -3 "$OUT/wip_pytest.log"; grep -E "^FAILED|Error" "$OUT/wip_pytest.log" | head -10
+fi
+if has module; then  # the module's cost over the op (no per-step weight copy), after the torch step
+  timeout 200 python3 bench/module_vs_op.py --out "$OUT/wip_module_vs_op.json" \
+    --commit "${SMOE_COMMIT:-$(git rev-parse HEAD)}" >"$OUT/wip_module_vs_op.log" 2>&1
+  echo "module_vs_op rc=$?"; cat "$OUT/wip_module_vs_op.log" | tail -12
 fi
 tar czf "$OUT/device_wip.tgz" -C "$OUT" $(cd "$OUT" && ls wip_* 2>/dev/null) 2>/dev/null || true

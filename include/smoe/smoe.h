@@ -245,10 +245,15 @@ int moe_token_rounding_tile(const MoEShape& shape);
 // token_rounding_capacity (the actual count is known only on the device). 0 for an invalid shape.
 int64_t moe_row_capacity(const MoEShape& shape);
 
+// The first projection either interleaved (w1 [E][2n][d], row 2j gate j, row 2j+1 up j; w3 null)
+// or, as torchtitan stores it, as two tensors: w1 = gate [E][n][d], w3 = up [E][n][d]. The saved
+// state records which (a backward with the other layout is a bad saved state), and with w3 the
+// backward writes dw1 (gate) and dw3 (up) [E][n][d] each.
 struct MoEWeights {
   const bf16* w_router = nullptr;  // [E][d]
-  const bf16* w1 = nullptr;        // [E][2n][d] interleaved gate/up
+  const bf16* w1 = nullptr;        // [E][2n][d] interleaved gate/up, or gate [E][n][d] with w3
   const bf16* w2 = nullptr;        // [E][d][n]
+  const bf16* w3 = nullptr;        // optional: up [E][n][d] (gate/up as two tensors)
 };
 
 // What forward keeps for backward lives in one caller buffer of saved_state_size(shape) bytes. It
@@ -321,7 +326,8 @@ struct MoEBackwardArgs {
   // itself (or passes scratch buffers and adds). An expert that received no token gets zeros.
   bf16* dx = nullptr;          // [T][d]
   bf16* dw_router = nullptr;   // [E][d]
-  bf16* dw1 = nullptr;         // [E][2n][d]
+  bf16* dw1 = nullptr;         // [E][2n][d]; gate [E][n][d] when weights.w3 is set
+  bf16* dw3 = nullptr;         // up [E][n][d]: required exactly when weights.w3 is set
   bf16* dw2 = nullptr;         // [E][d][n]
   float* dscores = nullptr;    // kProvided only (then required): [T][K] dL/dscore, 0 in empty slots.
                                // With kProvided dw_router is not written and may be null, and dx

@@ -1,8 +1,10 @@
 """smoe_torch: the smoe Hopper MoE kernels as PyTorch custom ops, with autograd and a module.
 
 Ops (torch.ops.smoe, CUDA, bf16):
-  moe_forward(x [T,d], w_router [E,d], w1 [E,2n,d] interleaved, w2 [E,d,n], top_k) -> (out, saved)
-  moe_backward(dout, x, w_router, w1, w2, saved, top_k) -> (dx, dw_router, dw1, dw2)
+  moe_forward(x [T,d], w_router [E,d], w1 [E,2n,d] interleaved, w2 [E,d,n], top_k, w3=None) -> (out, saved)
+  moe_backward(dout, x, w_router, w1, w2, saved, top_k, w3=None) -> (dx, dw_router, dw1, dw2)
+      w3 (every layer op, last): gate/up as two tensors, w1 (gate) and w3 (up) [E,n,d] (torchtitan's
+      layout, read in place); the backward's dw1 is then [2,E,n,d] = (dw1, dw3)
   topk_routing(logits [T,E] f32|bf16, top_k) -> [scores, topk_expert, expert_frequency,
                                                  expert_offset, scatter, reverse_scatter, gather]
   moe_forward_routed(x, w1, w2, expert [T,K] i32 (-1 = empty slot), scores [T,K] f32) -> (out, saved)
@@ -53,35 +55,40 @@ def _saved_fake(x, E, n, K, router=0, rounding=0):
     return x.new_empty((saved_state_bytes(T, n, E, K, router, rounding),), dtype=torch.uint8)
 
 
+def _dw1_fake(w1, w3):
+    """The backward's first-projection gradient: like w1, or [2, E, n, d] (dw1, dw3) with w3."""
+    return torch.empty_like(w1) if w3 is None else w1.new_empty((2, *w1.shape))
+
+
 @torch.library.register_fake("smoe::moe_forward")
-def _moe_forward_fake(x, w_router, w1, w2, top_k):
+def _moe_forward_fake(x, w_router, w1, w2, top_k, w3=None):
     return torch.empty_like(x), _saved_fake(x, w1.shape[0], w2.shape[2], top_k)
 
 
 @torch.library.register_fake("smoe::moe_forward_tr")
-def _moe_forward_tr_fake(x, w_router, w1, w2, top_k, rounding, seed):
+def _moe_forward_tr_fake(x, w_router, w1, w2, top_k, rounding, seed, w3=None):
     return torch.empty_like(x), _saved_fake(x, w1.shape[0], w2.shape[2], top_k, 1, rounding)
 
 
 @torch.library.register_fake("smoe::moe_forward_routed")
-def _moe_forward_routed_fake(x, w1, w2, expert, scores):
+def _moe_forward_routed_fake(x, w1, w2, expert, scores, w3=None):
     return torch.empty_like(x), _saved_fake(x, w1.shape[0], w2.shape[2], expert.shape[1], 2)
 
 
 @torch.library.register_fake("smoe::moe_backward_routed")
-def _moe_backward_routed_fake(dout, x, w1, w2, saved, top_k):
-    return (torch.empty_like(x), torch.empty_like(w1), torch.empty_like(w2),
+def _moe_backward_routed_fake(dout, x, w1, w2, saved, top_k, w3=None):
+    return (torch.empty_like(x), _dw1_fake(w1, w3), torch.empty_like(w2),
             x.new_empty((x.shape[0], top_k), dtype=torch.float32))
 
 
 @torch.library.register_fake("smoe::moe_backward_tr")
-def _moe_backward_tr_fake(dout, x, w_router, w1, w2, saved, top_k, rounding):
-    return torch.empty_like(x), torch.empty_like(w_router), torch.empty_like(w1), torch.empty_like(w2)
+def _moe_backward_tr_fake(dout, x, w_router, w1, w2, saved, top_k, rounding, w3=None):
+    return torch.empty_like(x), torch.empty_like(w_router), _dw1_fake(w1, w3), torch.empty_like(w2)
 
 
 @torch.library.register_fake("smoe::moe_backward")
-def _moe_backward_fake(dout, x, w_router, w1, w2, saved, top_k):
-    return torch.empty_like(x), torch.empty_like(w_router), torch.empty_like(w1), torch.empty_like(w2)
+def _moe_backward_fake(dout, x, w_router, w1, w2, saved, top_k, w3=None):
+    return torch.empty_like(x), torch.empty_like(w_router), _dw1_fake(w1, w3), torch.empty_like(w2)
 
 
 @torch.library.register_fake("smoe::topk_routing")
@@ -93,50 +100,58 @@ def _topk_routing_fake(logits, top_k):
             torch.empty((T * top_k,), **i32), torch.empty((T * top_k,), **i32)]
 
 
+def _split_dw1(dw1, w3):
+    """(dw1, dw3) for autograd: the two halves of the [2, E, n, d] gradient with w3 (views)."""
+    return (dw1, None) if w3 is None else (dw1[0], dw1[1])
+
+
 def _setup_context(ctx, inputs, output):
-    x, w_router, w1, w2, top_k = inputs
+    x, w_router, w1, w2, top_k, w3 = inputs
     _, saved = output
-    ctx.save_for_backward(x, w_router, w1, w2, saved)
+    ctx.save_for_backward(x, w_router, w1, w2, saved, w3)
     ctx.top_k = top_k
     ctx.mark_non_differentiable(saved)
 
 
 def _backward(ctx, dout, _dsaved):
-    x, w_router, w1, w2, saved = ctx.saved_tensors
-    dx, dwr, dw1, dw2 = ops.moe_backward(dout.contiguous(), x, w_router, w1, w2, saved, ctx.top_k)
-    return dx, dwr, dw1, dw2, None
+    x, w_router, w1, w2, saved, w3 = ctx.saved_tensors
+    dx, dwr, dw1, dw2 = ops.moe_backward(dout.contiguous(), x, w_router, w1, w2, saved, ctx.top_k, w3)
+    dw1, dw3 = _split_dw1(dw1, w3)
+    return dx, dwr, dw1, dw2, None, dw3
 
 
 torch.library.register_autograd("smoe::moe_forward", _backward, setup_context=_setup_context)
 
 
 def _setup_context_tr(ctx, inputs, output):
-    x, w_router, w1, w2, top_k, rounding, _seed = inputs
-    ctx.save_for_backward(x, w_router, w1, w2, output[1])
+    x, w_router, w1, w2, top_k, rounding, _seed, w3 = inputs
+    ctx.save_for_backward(x, w_router, w1, w2, output[1], w3)
     ctx.top_k, ctx.rounding = top_k, rounding
     ctx.mark_non_differentiable(output[1])
 
 
 def _backward_tr(ctx, dout, _dsaved):
-    x, w_router, w1, w2, saved = ctx.saved_tensors
-    dx, dwr, dw1, dw2 = ops.moe_backward_tr(dout.contiguous(), x, w_router, w1, w2, saved, ctx.top_k, ctx.rounding)
-    return dx, dwr, dw1, dw2, None, None, None
+    x, w_router, w1, w2, saved, w3 = ctx.saved_tensors
+    dx, dwr, dw1, dw2 = ops.moe_backward_tr(dout.contiguous(), x, w_router, w1, w2, saved, ctx.top_k, ctx.rounding, w3)
+    dw1, dw3 = _split_dw1(dw1, w3)
+    return dx, dwr, dw1, dw2, None, None, None, dw3
 
 
 torch.library.register_autograd("smoe::moe_forward_tr", _backward_tr, setup_context=_setup_context_tr)
 
 
 def _setup_context_routed(ctx, inputs, output):
-    x, w1, w2, expert, _scores = inputs
-    ctx.save_for_backward(x, w1, w2, output[1])
+    x, w1, w2, expert, _scores, w3 = inputs
+    ctx.save_for_backward(x, w1, w2, output[1], w3)
     ctx.top_k = expert.shape[1]
     ctx.mark_non_differentiable(output[1])
 
 
 def _backward_routed(ctx, dout, _dsaved):
-    x, w1, w2, saved = ctx.saved_tensors
-    dx, dw1, dw2, dscores = ops.moe_backward_routed(dout.contiguous(), x, w1, w2, saved, ctx.top_k)
-    return dx, dw1, dw2, None, dscores
+    x, w1, w2, saved, w3 = ctx.saved_tensors
+    dx, dw1, dw2, dscores = ops.moe_backward_routed(dout.contiguous(), x, w1, w2, saved, ctx.top_k, w3)
+    dw1, dw3 = _split_dw1(dw1, w3)
+    return dx, dw1, dw2, None, dscores, dw3
 
 
 torch.library.register_autograd("smoe::moe_forward_routed", _backward_routed, setup_context=_setup_context_routed)

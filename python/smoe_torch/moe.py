@@ -39,17 +39,18 @@ def check_routing(expert, num_experts):
         raise ValueError(f"smoe: token {t} lists an expert twice: {expert[t].tolist()}")
 
 
-def moe_routed(x, w1_interleaved, w2, expert, scores, validate=True):
+def moe_routed(x, w1_interleaved, w2, expert, scores, validate=True, w3=None):
     """out[t] = sum over t's slots k with expert[t,k] >= 0 of scores[t,k] * SwiGLU expert(x[t]).
 
     Any router written in torch trains through this: gradients flow to x (expert path), the
     weights and `scores` (so to the router through the caller's own autograd graph). expert
     [T, K] int (-1 = empty slot), scores [T, K] float. validate=True checks the ids on the host
-    (one sync); with validate=False bad ids are dropped on the device and flagged."""
+    (one sync); with validate=False bad ids are dropped on the device and flagged. w3 given: gate/up
+    as two tensors, w1 (gate) and w3 (up) [E, n, d] (w1_interleaved is then the gate)."""
     expert = expert.to(torch.int32).contiguous()
     if validate:
         check_routing(expert, w1_interleaved.shape[0])
-    out, _saved = ops.moe_forward_routed(x, w1_interleaved, w2, expert, scores.float().contiguous())
+    out, _saved = ops.moe_forward_routed(x, w1_interleaved, w2, expert, scores.float().contiguous(), w3)
     return out
 
 
@@ -57,6 +58,33 @@ def moe_token_rounding(x, w_router, w1_interleaved, w2, top_k, rounding="nr", se
     """The top-K softmax layer with SonicMoE token rounding of every expert's rows to the GEMM tile."""
     out, _saved = ops.moe_forward_tr(x, w_router, w1_interleaved, w2, top_k, ROUNDING_MODES[rounding], seed)
     return out
+
+
+class _Fp32Logits(torch.autograd.Function):
+    """logits = x w^T with bf16 inputs and an fp32 output (cuBLAS accumulates in fp32 either way; this
+    keeps the fp32 result instead of rounding it to bf16), as the library's fused router does.
+    Backward as the fused router's: dlogits rounded to bf16, dx = dl w, dw = dl^T x (bf16)."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return torch.mm(x, w.t(), out_dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        gb = g.to(x.dtype)
+        return gb @ w, gb.t() @ x
+
+
+def router_logits(x, w, fp32=True):
+    """[T, E] router logits from bf16 x [T, d] and w [E, d]: fp32 (not bf16-rounded) when fp32 and
+    on CUDA (torch.mm's out_dtype is CUDA-only); else F.linear in x's dtype."""
+    w = w.to(x.dtype)
+    if fp32 and x.is_cuda and x.dtype == torch.bfloat16 and x.dim() == 2:
+        return _Fp32Logits.apply(x, w)
+    logits = F.linear(x, w)
+    return logits.float() if fp32 else logits
 
 
 class TokenChoiceTopKRouter(nn.Module):
@@ -88,8 +116,7 @@ class TokenChoiceTopKRouter(nn.Module):
     def forward(self, x, expert_bias=None, bf16_logits=False):
         """(expert [T,K] int32, scores [T,K] float32, full scores [T,E]) in torch, differentiable in
         the scores. expert_bias [E] shifts the selection only (auxiliary-loss-free balancing)."""
-        logits = F.linear(x, self.gate.weight.to(x.dtype))
-        logits = logits if bf16_logits else logits.float()
+        logits = router_logits(x, self.gate.weight, fp32=not bf16_logits)
         scores = logits.softmax(-1) if self.score_func == "softmax" else torch.sigmoid(logits)
         scores = scores.float()
         sel = scores.detach() if expert_bias is None else scores.detach() + expert_bias
@@ -126,12 +153,14 @@ class SharedExperts(PackedGateUp):
             nn.init.trunc_normal_(lin.weight, mean=0.0, std=std)
 
     def forward(self, x2):
-        w1 = self.interleaved_w1(x2.dtype).unsqueeze(0)  # [1, 2h, d]
+        w1, w3 = self.gate_up_operands(x2.dtype)
+        w1 = w1.unsqueeze(0)  # [1, 2h, d] interleaved, or the gate [1, h, d] with w3
+        w3 = w3.unsqueeze(0) if w3 is not None else None
         w2 = self.w2.weight.to(x2.dtype).unsqueeze(0)
         T = x2.shape[0]
         expert = torch.zeros(T, 1, dtype=torch.int32, device=x2.device)
         ones = torch.ones(T, 1, dtype=torch.float32, device=x2.device)
-        out, _saved = ops.moe_forward_routed(x2, w1, w2, expert, ones)
+        out, _saved = ops.moe_forward_routed(x2, w1, w2, expert, ones, w3)
         return out
 
 
@@ -216,7 +245,13 @@ class MoE(nn.Module):
     def forward(self, x):
         shape = x.shape
         x2 = x.reshape(-1, self.dim).to(torch.bfloat16).contiguous()
-        w1 = self.experts.interleaved_w1(torch.bfloat16)
+        # The kernels' gate/up operands with no copy: the interleaved view of the packed pair, else the
+        # two tensors as they are (FSDP's unsharded params, torch.compile, hand-set params); EP takes
+        # the interleaved layout only.
+        if self.ep_group is not None:
+            w1, w3 = self.experts.interleaved_w1(torch.bfloat16), None
+        else:
+            w1, w3 = self.experts.gate_up_operands(torch.bfloat16)
         w2 = self.experts.w2.to(torch.bfloat16)
         torch_routing = (not self.router.fused() or self.bf16_logits or self.expert_bias is not None
                          or self.ep_group is not None)
@@ -226,7 +261,7 @@ class MoE(nn.Module):
                 from .ep import ep_moe
                 out = ep_moe(self.ep_group, x2, idx, sc, w1, w2)
             else:
-                out = moe_routed(x2, w1, w2, idx, sc, validate=False)
+                out = moe_routed(x2, w1, w2, idx, sc, validate=False, w3=w3)
             if self.expert_bias is not None or self.aux_loss_coef > 0:
                 counts = torch.bincount(idx.reshape(-1).long(), minlength=self.num_experts).float()
                 if self.expert_bias is not None:
@@ -238,10 +273,10 @@ class MoE(nn.Module):
             wr = self.router.gate.weight.to(torch.bfloat16)
             if self.token_rounding is not None:
                 mode = ROUNDING_MODES[self.token_rounding]
-                out, saved = ops.moe_forward_tr(x2, wr, w1, w2, self.top_k, mode, self.rounding_seed)
+                out, saved = ops.moe_forward_tr(x2, wr, w1, w2, self.top_k, mode, self.rounding_seed, w3)
                 router, rounding = 1, mode
             else:
-                out, saved = ops.moe_forward(x2, wr, w1, w2, self.top_k)
+                out, saved = ops.moe_forward(x2, wr, w1, w2, self.top_k, w3)
                 router, rounding = 0, 0
             if self.aux_loss_coef > 0:
                 # f from the routing's own counts (no second top-K); P needs the softmax over E.
@@ -249,7 +284,7 @@ class MoE(nn.Module):
                 counts = _C.saved_expert_frequency(saved, T, self.dim, self.hidden_dim, self.num_experts,
                                                    self.top_k, router, rounding).float()
                 f = counts / max(T * self.top_k, 1)
-                probs = F.linear(x2, wr).float().softmax(dim=-1)
+                probs = router_logits(x2, wr).softmax(dim=-1)
                 self.aux_loss = self.aux_loss_coef * self.num_experts * (f * probs.mean(dim=0)).sum()
         if self.shared_experts is not None:
             out = out + self.shared_experts(x2)

@@ -124,6 +124,15 @@ class PackedGateUp(torch.nn.Module):
         w1, w3 = self._gate_up()
         return interleaved_pair(w1, w3, dtype)
 
+    def gate_up_operands(self, dtype):
+        """(w1, w3) for the kernels without a copy: (the interleaved view, None) when the pair is
+        packed, else the two tensors themselves (cast to dtype, contiguous), which the kernels read
+        as gate/up halves (MoEWeights::w3)."""
+        w1, w3 = self._gate_up()
+        if w1.dtype == dtype and not torch.compiler.is_compiling() and is_packed_pair(w1, w3):
+            return _InterleavedView.apply(w1, w3), None
+        return w1.to(dtype).contiguous(), w3.to(dtype).contiguous()
+
 
 class GroupedExperts(PackedGateUp):
     """torchtitan's GroupedExperts parameters: w1 (gate) [E, n, d], w2 [E, d, n], w3 (up) [E, n, d].

@@ -176,6 +176,8 @@ Choice choose_varlen_m(const VarlenMArgs& a, int sm_count) {
   const bool big_weights = weight_bytes > kClusterMinWeightBytes && a.rows >= int64_t{kClusterMinRowsPerExpert} * a.num_experts;
   const int fc = forced_cluster();
   int cluster = fc ? fc : big_weights ? 2 : 1;
+  // Gate/up halves from two K-major tensors load without multicast (gemm_launch.cuh).
+  if (a.B2 != nullptr && a.b_major == WeightMajor::kNK) cluster = 1;
   const char* name = varlen_m_label(a.epilogue, a.b_major, pp, cluster, bn);
   if (name == nullptr && cluster != 1) {  // no clustered twin of this tile / schedule
     cluster = 1;
@@ -223,6 +225,27 @@ Status varlen_m(const VarlenMArgs& a, int sm_count, cudaStream_t stream) {
     return rule(fn, "num_experts * weight rows", weight_rows, "must be < 2^31 (TMA coordinates)");
   if (a.epilogue == Epilogue::kSwiGLU && a.N % 128 != 0)
     return rule(fn, "N", a.N, "must be a multiple of 128 for the SwiGLU epilogue (2n, n % 64 == 0)");
+  // Gate/up as two tensors: the up-proj (SwiGLU, K-major) or dX~ (store, MN-major, K = 2n).
+  if (a.B2 != nullptr) {
+    const bool up = a.epilogue == Epilogue::kSwiGLU && a.b_major == WeightMajor::kNK;
+    const bool dx = a.epilogue == Epilogue::kStore && a.b_major == WeightMajor::kKN;
+    if (!up && !dx)
+      return detail::make_status(StatusCode::kInvalidArgument,
+                                 detail::concat(fn, ": B2 (gate/up as two tensors) is for the SwiGLU up-proj "
+                                                    "(K-major) and dX~ (store, MN-major) only"));
+    if (up && !a.halves)
+      return detail::make_status(StatusCode::kInvalidArgument,
+                                 detail::concat(fn, ": B2 with the SwiGLU epilogue stores H in halves: set halves"));
+    if (dx && a.K % 128 != 0) return rule(fn, "K", a.K, "must be a multiple of 128 with B2 (K = 2n, n % 64 == 0)");
+    SMOE_RETURN_IF_ERROR(detail::check_ptr(a.B2, fn, "B2", 16));
+  }
+  if (a.halves && a.epilogue == Epilogue::kSwiGLU && a.B2 == nullptr)
+    return detail::make_status(StatusCode::kInvalidArgument,
+                               detail::concat(fn, ": halves with the SwiGLU epilogue needs B2 (an interleaved W1 "
+                                                  "gives interleaved H)"));
+  if (a.halves && a.epilogue == Epilogue::kStore)
+    return detail::make_status(StatusCode::kInvalidArgument,
+                               detail::concat(fn, ": halves is a layout of H / dH (SwiGLU / dSwiGLU epilogues)"));
   // The instantiations: SwiGLU / dSwiGLU gather A (by cp.async), the plain store loads it by TMA.
   const bool gathered_epilogue = a.epilogue != Epilogue::kStore;
   if (gathered_epilogue != (a.gather_idx != nullptr))

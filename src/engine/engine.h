@@ -12,6 +12,13 @@
 //   down-proj A = A,           B = W2 [E][d][n]  kNK, epilogue Store   -> Y
 //   dA'       A = dO gathered, B = W2 [E][d][n]  kKN, epilogue DSwiGLU -> dH, A', ds_partial
 //   dX~       A = dH,          B = W1 [E][2n][d] kKN, epilogue Store   -> dX~
+// Gate/up as two tensors (B2 non-null; docs/engine.md "Two-tensor gate/up weights"):
+//   up-proj   B = w1 (gate) [E][n][d], B2 = w3 (up) [E][n][d]: an N-tile of BN columns takes BN/2
+//             gate rows and the same BN/2 up rows (two TMA boxes); H is stored in halves
+//             ([rows][2n]: gate in columns [0, n), up in [n, 2n)). Cluster 1 only.
+//   dA'       halves = true: H and dH in that halves layout.
+//   dX~       B = w1 [E][n][d], B2 = w3 [E][n][d] kKN: K = 2n, K-tiles below n from B, the rest
+//             from B2 (dH in halves layout).
 // varlen-K   D_e[m][c] = sum over rows r of e: P[srcP(r)][m] * Q[srcQ(r)][c]   (D: [E][M][N])
 //   dW2: P = dO gathered (M = d), Q = A' (N = n);  dW1: P = dH (M = 2n), Q = x gathered (N = d).
 //   Exactly one operand is gathered (cp.async); the other is loaded by TMA. A Q-gathered call runs
@@ -43,6 +50,8 @@ struct VarlenMArgs {
   int64_t a_rows = 0;
   const int32_t* gather_idx = nullptr;   // [rows]; null: A is the grouped rows themselves
   const bf16* B = nullptr;
+  const bf16* B2 = nullptr;     // up-proj / dX~: the up weights w3 when gate/up are two tensors
+  bool halves = false;          // kSwiGLU / kDSwiGLU: H (and dH) in halves layout; set with B2
   WeightMajor b_major = WeightMajor::kNK;
   Epilogue epilogue = Epilogue::kStore;
   bf16* D = nullptr;            // kStore: [rows][N]; kSwiGLU: H [rows][N]

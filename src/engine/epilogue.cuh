@@ -89,7 +89,8 @@ __device__ __forceinline__ void quad_transpose(uint32_t (&w)[4]) {
 
 // Row h of this thread (columns packed as bf16 pairs by word(j) for every group j): after the
 // quad transposes, one 16-byte store per 4 groups per lane; row/column predicates on the store.
-template <int kGroups, class WordFn>
+// kColScale: the stored columns count 1/kColScale of the tile's (t.cols): 2 for the SwiGLU halves.
+template <int kGroups, int kColScale = 1, class WordFn>
 __device__ __forceinline__ void store_row_16B(bf16* row, bool row_ok, const TileCtx& t, WordFn word) {
   static_assert(kGroups % 4 == 0, "16-byte stores: the tile's column groups come in fours");
   const int q = static_cast<int>(threadIdx.x) & 3;
@@ -100,7 +101,7 @@ __device__ __forceinline__ void store_row_16B(bf16* row, bool row_ok, const Tile
     for (int k = 0; k < 4; ++k) w[k] = word(4 * b + k);
     quad_transpose(w);
     const int j = 4 * b + q;
-    if (row_ok && AccPos::col_ok(t, j)) *reinterpret_cast<uint4*>(row + 8 * j) = make_uint4(w[0], w[1], w[2], w[3]);
+    if (row_ok && 8 * kColScale * j < t.cols) *reinterpret_cast<uint4*>(row + 8 * j) = make_uint4(w[0], w[1], w[2], w[3]);
   }
 }
 
@@ -175,15 +176,62 @@ struct EpiStoreT : WithoutPrefetch<EpiStoreT> {
   }
 };
 
-struct EpiSwiGLU : WithoutPrefetch<EpiSwiGLU> {
-  using WithoutPrefetch<EpiSwiGLU>::apply;
-  struct Params {
-    bf16* H;     // [rows][N]   N = 2n
-    bf16* A;     // [rows][N/2]
-    int64_t ld;  // N
-  };
+// kHalves (gate/up as two tensors: tile columns [0, BN/2) gate, [BN/2, BN) up; H in halves) is a
+// template parameter: a runtime switch between the two store sequences made ptxas spill (4 bytes)
+// in the 128 x 128 ping-pong and 128 x 256 cooperative kernels.
+struct EpiSwiGLUParams {
+  bf16* H;     // [rows][N]   N = 2n
+  bf16* A;     // [rows][N/2]
+  int64_t ld;  // N
+};
+template <bool kHalves>
+struct EpiSwiGLUT : WithoutPrefetch<EpiSwiGLUT<kHalves>> {
+  using WithoutPrefetch<EpiSwiGLUT<kHalves>>::apply;
+  using Params = EpiSwiGLUParams;
   template <class Accum, class Coords>
   __device__ static void apply(const Params& p, const Accum& acc, const Coords& cd, const TileCtx& t) {
+    if constexpr (kHalves)
+      apply_halves(p, acc, cd, t);
+    else
+      apply_interleaved(p, acc, cd, t);
+  }
+
+  // Halves: accumulator group j (gate columns j0 + 8 j ..) pairs with group j + G/2 (the same up
+  // columns) in this thread; tile col0 counts N = 2n columns, so the tile's pairs start at
+  // j0 = col0 / 2 and t.cols / 2 of them are valid.
+  //   H[r][j0 + c] = bf16(g), H[r][n + j0 + c] = bf16(u), A[r][j0 + c] = bf16(silu(g~) u~)
+  template <class Accum, class Coords>
+  __device__ static void apply_halves(const Params& p, const Accum& acc, const Coords& cd, const TileCtx& t) {
+    constexpr int G = acc_col_groups<Accum>();
+    constexpr int G2 = G / 2;
+    static_assert(G % 8 == 0, "SwiGLU halves: 16-byte stores of G/2 groups per half");
+    const AccPos pos(cd);
+    const int n = static_cast<int>(p.ld / 2), j0 = t.col0 / 2;
+    CUTE_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      const bool row_ok = pos.row_ok(t, h);
+      const int64_t r = t.row0 + pos.m0 + 8 * h;
+      bf16* hrow = p.H + r * p.ld + j0;
+      store_row_16B<G2, 2>(hrow, row_ok, t,
+                           [&](int j) { return pack_bf16x2(acc(4 * j + 2 * h), acc(4 * j + 2 * h + 1)); });
+      store_row_16B<G2, 2>(hrow + n, row_ok, t, [&](int j) {
+        return pack_bf16x2(acc(4 * (j + G2) + 2 * h), acc(4 * (j + G2) + 2 * h + 1));
+      });
+      store_row_16B<G2, 2>(p.A + r * n + j0, row_ok, t, [&](int j) {
+        float a2[2];
+        CUTE_UNROLL
+        for (int q = 0; q < 2; ++q) {
+          const float g = __bfloat162float(__float2bfloat16_rn(acc(4 * j + 2 * h + q)));
+          const float u = __bfloat162float(__float2bfloat16_rn(acc(4 * (j + G2) + 2 * h + q)));
+          a2[q] = silu_f(g) * u;
+        }
+        return pack_bf16x2(a2[0], a2[1]);
+      });
+    }
+  }
+
+  template <class Accum, class Coords>
+  __device__ static void apply_interleaved(const Params& p, const Accum& acc, const Coords& cd, const TileCtx& t) {
     constexpr int G = acc_col_groups<Accum>();
     static_assert(G % 8 == 0, "SwiGLU: A is stored 8 units (8 groups of H) per lane");
     const AccPos pos(cd);
@@ -225,17 +273,25 @@ struct EpiSwiGLU : WithoutPrefetch<EpiSwiGLU> {
   }
 };
 
-struct EpiDSwiGLU {
-  struct Params {
-    const bf16* H;          // [rows][2N]
-    bf16* dH;               // [rows][2N]
-    bf16* A_prime;          // [rows][N]
-    const float* scores;    // by flat (token, k) index
-    const int32_t* scatter; // grouped row -> flat index
-    float* ds_partial;      // [rows][n_tiles]
-    int64_t ld;             // N
-    int n_tiles;
-  };
+using EpiSwiGLU = EpiSwiGLUT<false>;
+
+struct EpiDSwiGLUParams {
+  const bf16* H;          // [rows][2N]
+  bf16* dH;               // [rows][2N]
+  bf16* A_prime;          // [rows][N]
+  const float* scores;    // by flat (token, k) index
+  const int32_t* scatter; // grouped row -> flat index
+  float* ds_partial;      // [rows][n_tiles]
+  int64_t ld;             // N
+  int n_tiles;
+};
+
+// kHalves: H / dH in the halves layout (g at [r][c], u at [r][N + c]; two-tensor W1). A template
+// parameter, not a runtime flag: the flag's branches in the load and store cost the interleaved
+// dA' 9-14% (measured on the H200, docs/engine.md).
+template <bool kHalves>
+struct EpiDSwiGLUT {
+  using Params = EpiDSwiGLUParams;
 
   // H values and score of one of this thread's two rows.
   template <int kGroups>
@@ -260,6 +316,18 @@ struct EpiDSwiGLU {
     if (!pos.row_ok(t, h)) return f;
     const int64_t r = t.row0 + pos.m0 + 8 * h;
     f.s = __ldg(p.scores + __ldg(p.scatter + r));
+    if constexpr (kHalves) {
+      // (g0, g1) at column c, (u0, u1) at N + c: the same (g, u) pairs per column as interleaved.
+      const uint32_t* grow = reinterpret_cast<const uint32_t*>(p.H + r * 2 * p.ld + t.col0 + pos.n0);
+      const uint32_t* urow = grow + p.ld / 2;
+      CUTE_UNROLL
+      for (int j = 0; j < G; ++j)
+        if (AccPos::col_ok(t, j)) {
+          const uint32_t g = __ldg(grow + 4 * j), u = __ldg(urow + 4 * j);
+          f.h[j] = make_uint2(__byte_perm(g, u, 0x5410), __byte_perm(g, u, 0x7632));
+        }
+      return f;
+    }
     const uint2* hrow = reinterpret_cast<const uint2*>(p.H + r * 2 * p.ld + 2 * (t.col0 + pos.n0));
     CUTE_UNROLL
     for (int j = 0; j < G; ++j)
@@ -306,7 +374,8 @@ struct EpiDSwiGLU {
     const int64_t r = t.row0 + pos.m0 + 8 * h;
     const float s = f.s;
     const int64_t j0 = t.col0 + pos.n0;
-    bf16* dhrow = p.dH + r * 2 * p.ld + 2 * j0;   // 8 bytes per lane and group: full sectors
+    bf16* dhrow = p.dH + r * 2 * p.ld + (kHalves ? j0 : 2 * j0);  // interleaved: 8 bytes per lane
+    // and group (full sectors); halves: 4 + 4 bytes (gate at column c, up at N + c) per group
     bf16* aprow = p.A_prime + r * p.ld + t.col0;  // A': 16-byte stores after the quad transpose
     float ds = 0.f;
     CUTE_UNROLL
@@ -333,7 +402,14 @@ struct EpiDSwiGLU {
           dh.h2[qq] = __floats2bfloat162_rn(dA * gu.y * (sig + sl * (1.f - sig)), dA * sl);
           ap[qq] = s * a;
         }
-        if (row_ok && AccPos::col_ok(t, j)) *reinterpret_cast<uint2*>(dhrow + 16 * j) = dh.u;
+        if (row_ok && AccPos::col_ok(t, j)) {
+          if constexpr (kHalves) {  // (dg0, dg1) at column c, (du0, du1) at N + c
+            *reinterpret_cast<uint32_t*>(dhrow + 8 * j) = __byte_perm(dh.u.x, dh.u.y, 0x5410);
+            *reinterpret_cast<uint32_t*>(dhrow + p.ld + 8 * j) = __byte_perm(dh.u.x, dh.u.y, 0x7632);
+          } else {
+            *reinterpret_cast<uint2*>(dhrow + 16 * j) = dh.u;
+          }
+        }
         w[k] = pack_bf16x2(ap[0], ap[1]);
       }
       quad_transpose(w);
@@ -347,6 +423,8 @@ struct EpiDSwiGLU {
     if (q == 0 && row_ok) p.ds_partial[r * p.n_tiles + t.n_tile] = ds;
   }
 };
+
+using EpiDSwiGLU = EpiDSwiGLUT<false>;
 
 }  // namespace engine
 }  // namespace smoe

@@ -138,6 +138,15 @@ struct KernelBody {
 };
 
 // ---- varlen-M --------------------------------------------------------------------------------
+template <class Cfg, bool kKMajor = Cfg::kMajorB == GMMA::Major::K>
+struct HalfB {
+  using Layout = typename Cfg::SmemLayoutB;
+};
+template <class Cfg>
+struct HalfB<Cfg, true> {
+  using Layout = typename SmemOperand<GMMA::Major::K, Cfg::BN / 2, Cfg::BK, Cfg::kStages>::Layout;
+};
+
 template <class Cfg, ALoad kALoad, class Epi>
 struct VarlenMKernel {
   static constexpr bool kGather = kALoad == ALoad::kGather;
@@ -175,24 +184,35 @@ struct VarlenMKernel {
   }
   using TmaA = decltype(tma_for_a(nullptr, GmemK{}, typename Cfg::SmemLayoutA{}));
   using TmaB = decltype(tma_for_b(nullptr, GmemB{}, typename Cfg::SmemLayoutB{}));
+  // Gate/up as two K-major tensors (up-proj): half-height boxes, BN/2 rows from each (cluster 1).
+  // MN-major B never loads halves (its two tensors split K instead): the full layout stands in.
+  using SmemLayoutBHalf = typename HalfB<Cfg>::Layout;
+  using TmaBHalf = decltype(tma_for(nullptr, GmemB{}, SmemLayoutBHalf{}));
 
   struct Params {
     int E, N, K;
     int a_rows;           // rows of the A tensor map (TMA A) or of the gather source
-    int b_rows, b_cols;   // extents of the B tensor map: K-major (E*N, K), MN-major (N, E*K)
+    int b_rows, b_cols;   // extents of the B tensor map(s): K-major (E*N, K), MN-major (N, E*K);
+                          // two tensors: K-major (E*N/2, K), MN-major (N, E*K/2)
     int n_tiles;
+    bool b_halves;        // K-major gate/up in two tensors: tma_bh[0] (gate), tma_bh[1] (up)
+    int k_split_tiles;    // MN-major: K-tiles from tma_b, the rest from tma_b2 (0: one tensor)
     const int32_t* expert_offset;
     const Bf16* a_gather;
     const int32_t* gather_idx;
     TmaA tma_a;
     TmaB tma_b;
+    TmaB tma_b2;
+    TmaBHalf tma_bh[2];
     typename Epi::Params epi;
   };
 
   // A: [a_rows][K] (gathered through gather_idx, or the grouped rows themselves);
-  // B: K-major [E][N][K] or MN-major [E][K][N].
+  // B: K-major [E][N][K] or MN-major [E][K][N]; with B2 (gate/up as two tensors, engine.h):
+  // K-major B, B2 [E][N/2][K] each, MN-major B, B2 [E][K/2][N] each.
   static Params make_params(int E, int N, int K, const bf16* A, int a_rows, const int32_t* gather,
-                            const bf16* B, const int32_t* offset, const typename Epi::Params& epi) {
+                            const bf16* B, const bf16* B2, const int32_t* offset,
+                            const typename Epi::Params& epi) {
     Params p;
     p.E = E;
     p.N = N;
@@ -205,18 +225,32 @@ struct VarlenMKernel {
     p.tma_a = tma_for_a(reinterpret_cast<const Bf16*>(A),
                       make_layout(make_shape(a_rows, K), make_stride(int64_t{K}, _1{})),
                       typename Cfg::SmemLayoutA{});
+    // Only the maps a call uses are encoded (make_params runs on every launch): tma_b always, plus
+    // the two half-height maps (K-major) or the second K map (MN-major) with two tensors.
+    const bool two = B2 != nullptr;
+    const Bf16* b1 = reinterpret_cast<const Bf16*>(B);
+    const Bf16* b2 = reinterpret_cast<const Bf16*>(B2);
+    p.b_halves = false;
+    p.k_split_tiles = 0;
     if constexpr (Cfg::kMajorB == GMMA::Major::K) {
-      p.b_rows = E * N;
+      p.b_rows = E * (two ? N / 2 : N);
       p.b_cols = K;
-      p.tma_b = tma_for_b(reinterpret_cast<const Bf16*>(B),
-                          make_layout(make_shape(p.b_rows, p.b_cols), make_stride(int64_t{K}, _1{})),
-                          typename Cfg::SmemLayoutB{});
+      const auto gl = make_layout(make_shape(p.b_rows, p.b_cols), make_stride(int64_t{K}, _1{}));
+      p.tma_b = tma_for_b(b1, gl, typename Cfg::SmemLayoutB{});
+      if (two) {
+        p.tma_bh[0] = tma_for(b1, gl, SmemLayoutBHalf{});
+        p.tma_bh[1] = tma_for(b2, gl, SmemLayoutBHalf{});
+        p.b_halves = true;
+      }
     } else {
       p.b_rows = N;
-      p.b_cols = E * K;
-      p.tma_b = tma_for_b(reinterpret_cast<const Bf16*>(B),
-                          make_layout(make_shape(p.b_rows, p.b_cols), make_stride(_1{}, int64_t{N})),
-                          typename Cfg::SmemLayoutB{});
+      p.b_cols = E * (two ? K / 2 : K);
+      const auto gl = make_layout(make_shape(p.b_rows, p.b_cols), make_stride(_1{}, int64_t{N}));
+      p.tma_b = tma_for_b(b1, gl, typename Cfg::SmemLayoutB{});
+      if (two) {
+        p.tma_b2 = tma_for_b(b2, gl, typename Cfg::SmemLayoutB{});
+        p.k_split_tiles = K / 2 / Cfg::BK;
+      }
     }
     p.epi = epi;
     return p;
@@ -226,6 +260,11 @@ struct VarlenMKernel {
     Body::init_barriers(s);
     if (threadIdx.x == 0) {
       cute::prefetch_tma_descriptor(p.tma_b.get_tma_descriptor());
+      if (p.k_split_tiles > 0) cute::prefetch_tma_descriptor(p.tma_b2.get_tma_descriptor());
+      if (p.b_halves) {
+        cute::prefetch_tma_descriptor(p.tma_bh[0].get_tma_descriptor());
+        cute::prefetch_tma_descriptor(p.tma_bh[1].get_tma_descriptor());
+      }
       if constexpr (!kGather) cute::prefetch_tma_descriptor(p.tma_a.get_tma_descriptor());
     }
     using Sched = VarlenMScheduler<Cfg::BM, kCluster, kAlongN>;

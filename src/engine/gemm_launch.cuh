@@ -9,8 +9,10 @@ namespace smoe {
 namespace engine {
 
 inline EpiStore::Params epi_params(EpiStore*, const VarlenMArgs& a, int) { return {a.D, a.N}; }
-inline EpiSwiGLU::Params epi_params(EpiSwiGLU*, const VarlenMArgs& a, int) { return {a.D, a.D2, a.N}; }
-inline EpiDSwiGLU::Params epi_params(EpiDSwiGLU*, const VarlenMArgs& a, int n_tiles) {
+template <bool kHalves>
+inline EpiSwiGLUParams epi_params(EpiSwiGLUT<kHalves>*, const VarlenMArgs& a, int) { return {a.D, a.D2, a.N}; }
+template <bool kHalves>
+inline EpiDSwiGLUParams epi_params(EpiDSwiGLUT<kHalves>*, const VarlenMArgs& a, int n_tiles) {
   return {a.H, a.dH, a.D2, a.scores, a.scatter, a.ds_partial, a.N, n_tiles};
 }
 
@@ -26,8 +28,12 @@ template <class Cfg, ALoad kALoad, class Epi>
 Status run_varlen_m(const VarlenMArgs& a, int sm_count, cudaStream_t stream, const char* name) {
   using K = VarlenMKernel<Cfg, kALoad, Epi>;  // varlen_m (engine.cu) returned already if rows == 0
   const int n_tiles = (a.N + Cfg::BN - 1) / Cfg::BN;
+  // Gate/up halves of a K-major B load BN/2 rows from each tensor without a cluster's multicast.
+  if (a.B2 != nullptr && Cfg::kMajorB == GMMA::Major::K && Cfg::kClusterM > 1)
+    return detail::make_status(StatusCode::kNotImplemented,
+                               detail::concat(name, ": gate/up as two tensors runs without a cluster"));
   const auto p = K::make_params(a.num_experts, a.N, a.K, a.A, static_cast<int>(a.a_rows), a.gather_idx,
-                                a.B, a.expert_offset, epi_params(static_cast<Epi*>(nullptr), a, n_tiles));
+                                a.B, a.B2, a.expert_offset, epi_params(static_cast<Epi*>(nullptr), a, n_tiles));
   // Units: sum_e ceil(m_e / (C BM)) <= rows / (C BM) + E, times the column tiles; along N, M-tiles
   // times pairs of column tiles.
   const int64_t units =
@@ -68,7 +74,11 @@ struct Instance;
 template <int BN, Sched S, int C>
 struct Instance<Kind::up_swiglu, BN, S, C> {  // gathered x, W1 K-major, SwiGLU epilogue
   static Status run(const VarlenMArgs& a, int sms, cudaStream_t s, const char* name) {
-    return run_varlen_m<VarlenMConfig<BN, GMMA::Major::K, S, C>, ALoad::kGather, EpiSwiGLU>(a, sms, s, name);
+    using Cfg = VarlenMConfig<BN, GMMA::Major::K, S, C>;
+    if constexpr (C == 1) {  // gate/up as two tensors (halves): cluster 1 only (engine.cu)
+      if (a.halves) return run_varlen_m<Cfg, ALoad::kGather, EpiSwiGLUT<true>>(a, sms, s, name);
+    }
+    return run_varlen_m<Cfg, ALoad::kGather, EpiSwiGLU>(a, sms, s, name);
   }
 };
 template <int BN, Sched S, int C>
@@ -86,7 +96,9 @@ struct Instance<Kind::dx_store, BN, S, C> {  // dH by TMA, W1 MN-major
 template <int BN, Sched S, int C>
 struct Instance<Kind::da_dswiglu, BN, S, C> {  // gathered dO, W2 MN-major, dSwiGLU + dS epilogue
   static Status run(const VarlenMArgs& a, int sms, cudaStream_t s, const char* name) {
-    return run_varlen_m<VarlenMConfig<BN, GMMA::Major::MN, S, C>, ALoad::kGather, EpiDSwiGLU>(a, sms, s, name);
+    using Cfg = VarlenMConfig<BN, GMMA::Major::MN, S, C>;
+    if (a.halves) return run_varlen_m<Cfg, ALoad::kGather, EpiDSwiGLUT<true>>(a, sms, s, name);
+    return run_varlen_m<Cfg, ALoad::kGather, EpiDSwiGLU>(a, sms, s, name);
   }
 };
 template <int BN>

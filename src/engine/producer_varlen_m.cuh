@@ -1,6 +1,7 @@
 // Producer warpgroup of the varlen-M kernels (rows grouped by expert, K = the hidden dimension).
 //
-// B (the expert's weights) by TMA from one 2-D tensor map over all experts:
+// B (the expert's weights) by TMA from one 2-D tensor map over all experts (or two: gate/up as two
+// tensors, see load_b):
 //   K-major  [E*N rows][K]:   tile rows e*N + n0 .. + BN (rows past N belong to the next expert or
 //                             are zero-filled at the end: they only feed columns that are not stored)
 //   MN-major [E*K rows][N]:   tile (k, n) at row e*K + k, columns n0 .. (zero-filled past N).
@@ -39,23 +40,48 @@ struct ProducerVarlenM {
   template <class Params, class SB, class MB>
   __device__ static void load_b(const Params& p, SB& sB, const MB& mB, const WorkTile& w, int k,
                                 int stage, uint64_t& bar, int rank) {
+    if constexpr (Cfg::kMajorB == GMMA::Major::K) {
+      if (p.b_halves) {
+        // Gate/up as two tensors [E][N/2][K]: the stage's rows [0, BN/2) are gate rows j0.. of w1,
+        // rows [BN/2, BN) the same rows of w3, so accumulator column c (gate) pairs with c + BN/2
+        // (up) in one thread. Cluster 1 only (engine.cu).
+        constexpr int H = BN / 2;
+        const int j0 = w.n_tile * H;
+        Tensor gB = local_tile(domain_offset(make_coord(w.expert * (p.N / 2) + j0, 0), mB),
+                               make_shape(Int<H>{}, Int<BK>{}), make_coord(0, _));
+        CUTE_UNROLL
+        for (int h = 0; h < 2; ++h) {
+          Tensor sBh = local_tile(sB, make_shape(Int<H>{}, Int<BK>{}, Int<kStages>{}), make_coord(h, 0, 0));
+          auto [tBgB, tBsB] = tma_partition(p.tma_bh[h], Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sBh),
+                                            group_modes<0, 2>(gB));
+          copy(p.tma_bh[h].with(bar), tBgB(_, k), tBsB(_, stage));
+        }
+        return;
+      }
+    }
     const int n0 = w.n_tile * BN;
+    // MN-major with two tensors (dX~ over [w1; w3]): K-tiles below k_split_tiles from tma_b, the
+    // rest from tma_b2, each tensor holding K/2 rows per expert.
+    const bool second = p.k_split_tiles > 0 && k >= p.k_split_tiles;
+    const int kk = second ? k - p.k_split_tiles : k;
+    const int k_ext = p.k_split_tiles > 0 ? p.k_split_tiles * BK : p.K;
     Tensor gB = [&] {
       if constexpr (Cfg::kMajorB == GMMA::Major::K)
         return local_tile(domain_offset(make_coord(w.expert * p.N + n0, 0), mB),
                           make_shape(Int<BN>{}, Int<BK>{}), make_coord(0, _));
       else
-        return local_tile(domain_offset(make_coord(n0, w.expert * p.K), mB),
+        return local_tile(domain_offset(make_coord(n0, w.expert * k_ext), mB),
                           make_shape(Int<BN>{}, Int<BK>{}), make_coord(0, _));
     }();
+    const auto& tma = second ? p.tma_b2 : p.tma_b;
     // Cluster along M: this CTA loads its 1/C slice of the tile into the same place in every CTA.
     const int b_rank = kClusterB == 1 ? 0 : rank;
-    auto [tBgB, tBsB] = tma_partition(p.tma_b, b_rank, Layout<Int<kClusterB>>{}, group_modes<0, 2>(sB),
+    auto [tBgB, tBsB] = tma_partition(tma, b_rank, Layout<Int<kClusterB>>{}, group_modes<0, 2>(sB),
                                       group_modes<0, 2>(gB));
     if constexpr (kClusterB == 1)
-      copy(p.tma_b.with(bar), tBgB(_, k), tBsB(_, stage));
+      copy(tma.with(bar), tBgB(_, kk), tBsB(_, stage));
     else
-      copy(p.tma_b.with(bar, static_cast<uint16_t>((1u << kCluster) - 1)), tBgB(_, k), tBsB(_, stage));
+      copy(tma.with(bar, static_cast<uint16_t>((1u << kCluster) - 1)), tBgB(_, kk), tBsB(_, stage));
   }
 
   // Contiguous A rows row0.. of the tile (k-th K-tile).

@@ -35,6 +35,9 @@ Status varlen_k_gemm(const VarlenKArgs& a, void* ws, size_t ws_bytes, int sm_cou
   const char* fn = "varlen_k_gemm";
   SMOE_RETURN_IF_ERROR(check_dims(fn, "M", a.M));
   SMOE_RETURN_IF_ERROR(check_dims(fn, "N", a.N));
+  if (a.ld_p != 0 && (a.ld_p < a.M || a.ld_p % 8 != 0))
+    return ::smoe::detail::make_status(StatusCode::kInvalidArgument,
+                                       ::smoe::detail::concat(fn, ": ld_p = ", a.ld_p, " must be 0 or >= M and a multiple of 8"));
   if (a.num_experts < 1)
     return ::smoe::detail::make_status(StatusCode::kInvalidArgument, "varlen_k_gemm: num_experts must be >= 1");
   SMOE_RETURN_IF_ERROR(::smoe::detail::check_ptr(a.expert_offset, fn, "expert_offset", 4));

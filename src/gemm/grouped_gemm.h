@@ -26,7 +26,8 @@ struct VarlenKArgs {
   int M = 0;
   int N = 0;
   const int32_t* expert_offset = nullptr;  // [E+1] device
-  const bf16* P = nullptr;                 // [rows][M]
+  const bf16* P = nullptr;                 // [rows][ld_p]: its first M columns
+  int64_t ld_p = 0;                        // 0: M (dW1 over one half of a halves dH: 2n)
   const bf16* Q = nullptr;                 // [rows][N]
   bf16* D = nullptr;                       // [E][M][N]
 };

@@ -166,9 +166,9 @@ __device__ __forceinline__ Stride packed_ld(int64_t ld) {
   return s;
 }
 
-// varlen-K setup: one thread per expert. A = P^T (column-major, ld M), B = Q (row-major, ld N).
+// varlen-K setup: one thread per expert. A = P^T (column-major, ld ld_p), B = Q (row-major, ld N).
 template <class G>
-__global__ void setup_varlen_k(int E, int M, int N, const int32_t* __restrict__ off,
+__global__ void setup_varlen_k(int E, int M, int N, int64_t ld_p, const int32_t* __restrict__ off,
                                const bf16* P, const bf16* Q, bf16* D, typename G::Arrays r) {
   const int e = blockIdx.x * blockDim.x + threadIdx.x;
   if (e >= E) return;
@@ -176,10 +176,10 @@ __global__ void setup_varlen_k(int E, int M, int N, const int32_t* __restrict__ 
   const int64_t o = off[e];
   const int k = off[e + 1] - off[e];
   r.shapes[e] = k > 0 ? make_shape(M, N, k) : make_shape(0, 0, 0);
-  r.a[e] = reinterpret_cast<const El*>(P) + o * M;
+  r.a[e] = reinterpret_cast<const El*>(P) + o * ld_p;
   r.b[e] = reinterpret_cast<const El*>(Q) + o * N;
   r.d[e] = reinterpret_cast<El*>(D) + static_cast<int64_t>(e) * M * N;
-  r.sa[e] = packed_ld<typename G::StrideA>(M);
+  r.sa[e] = packed_ld<typename G::StrideA>(ld_p);
   r.sb[e] = packed_ld<typename G::StrideB>(N);
   r.sd[e] = packed_ld<typename G::StrideD>(N);
 }
@@ -193,7 +193,7 @@ Status run_varlen_k(const VarlenKArgs& a, void* ws, size_t ws_bytes, int sm_coun
                     cudaStream_t stream) {
   typename G::Arrays r = G::carve(ws, a.num_experts);
   setup_varlen_k<G><<<(a.num_experts + 127) / 128, 128, 0, stream>>>(
-      a.num_experts, a.M, a.N, a.expert_offset, a.P, a.Q, a.D, r);
+      a.num_experts, a.M, a.N, a.ld_p > 0 ? a.ld_p : a.M, a.expert_offset, a.P, a.Q, a.D, r);
   SMOE_CHECK_LAUNCH("setup_varlen_k");
   SMOE_RETURN_IF_ERROR(G::run(ws, ws_bytes, a.num_experts, sm_count, stream));
   const int64_t per = static_cast<int64_t>(a.M) * a.N;

@@ -39,19 +39,29 @@ Status moe_backward(const MoEBackwardArgs& a, cudaStream_t stream) {
   }
   SMOE_RETURN_IF_ERROR(detail::check_ptr(a.dw1, fn, "dw1", 16));
   SMOE_RETURN_IF_ERROR(detail::check_ptr(a.dw2, fn, "dw2", 16));
+  const bool two = a.weights.w3 != nullptr;  // gate/up as two tensors: dw1 (gate) and dw3 (up)
+  if (two) {
+    SMOE_RETURN_IF_ERROR(detail::check_ptr(a.dw3, fn, "dw3 (weights.w3 is set)", 16));
+  } else if (a.dw3 != nullptr) {
+    return detail::make_status(StatusCode::kInvalidArgument,
+                               "moe_backward: dw3 must be null when weights.w3 is (interleaved w1: dw1 holds both)");
+  }
   const layer::TensorBytes tb(s);
+  const size_t w1_bytes = two ? tb.w1 / 2 : tb.w1;  // w1 / dw1; w3 / dw3 the same with two tensors
   SMOE_RETURN_IF_ERROR(layer::check_disjoint(
       fn,
       {{a.dx, tb.tokens, "dx"},
        {a.dw_router, tb.router, "dw_router"},
        {a.dscores, tb.slots, "dscores"},
-       {a.dw1, tb.w1, "dw1"},
+       {a.dw1, w1_bytes, "dw1"},
        {a.dw2, tb.w2, "dw2"},
+       {a.dw3, two ? w1_bytes : 0, "dw3"},
        {a.workspace, a.workspace_bytes, "workspace"}},
       {{a.x, tb.tokens, "x"},
        {a.weights.w_router, tb.router, "weights.w_router"},
-       {a.weights.w1, tb.w1, "weights.w1"},
+       {a.weights.w1, w1_bytes, "weights.w1"},
        {a.weights.w2, tb.w2, "weights.w2"},
+       {a.weights.w3, two ? w1_bytes : 0, "weights.w3"},
        {a.dout, tb.tokens, "dout"},
        {a.saved, a.saved_bytes, "saved"}}));
   int sms = 0;
@@ -68,7 +78,7 @@ Status moe_backward(const MoEBackwardArgs& a, cudaStream_t stream) {
   // saved index is read), the index-reading kernels skip on `valid`, and the end NaN-fills every
   // gradient.
   SMOE_RETURN_IF_ERROR(kernels::check_saved(plan::saved_layout(s, const_cast<void*>(a.saved)).stamp,
-                                            plan::kSavedMagic, plan::saved_shape_hash(s),
+                                            plan::kSavedMagic, plan::saved_shape_hash(s, two),
                                             moe_saved_state_size(s), sv.expert_offset, s.E, w.valid,
                                             w.expert_offset, a.status, stream));
   const int32_t* expert_offset = w.expert_offset;
@@ -77,14 +87,16 @@ Status moe_backward(const MoEBackwardArgs& a, cudaStream_t stream) {
   auto nan_if_invalid = [&]() -> Status {  // the router gradient or dscores, by routing mode
     return kernels::nan_fill_if_invalid(valid,
                                         {{a.dx, tb.tokens},
-                                         {a.dw1, tb.w1},
+                                         {a.dw1, w1_bytes},
                                          {a.dw2, tb.w2},
+                                         {two ? a.dw3 : nullptr, w1_bytes},
                                          {provided ? nullptr : a.dw_router, tb.router},
                                          {provided ? a.dscores : nullptr, tb.slots}},
                                         stream);
   };
   if (s.T == 0) {  // no token: every weight gradient is zero (they are overwritten, never accumulated)
-    SMOE_CUDA_RETURN(cudaMemsetAsync(a.dw1, 0, tb.w1, stream));
+    SMOE_CUDA_RETURN(cudaMemsetAsync(a.dw1, 0, w1_bytes, stream));
+    if (two) SMOE_CUDA_RETURN(cudaMemsetAsync(a.dw3, 0, w1_bytes, stream));
     SMOE_CUDA_RETURN(cudaMemsetAsync(a.dw2, 0, tb.w2, stream));
     if (!provided) SMOE_CUDA_RETURN(cudaMemsetAsync(a.dw_router, 0, tb.router, stream));
     return nan_if_invalid();
@@ -108,6 +120,7 @@ Status moe_backward(const MoEBackwardArgs& a, cudaStream_t stream) {
   da.scores = sv.scores;
   da.scatter = sv.scatter_idx;
   da.ds_partial = w.ds_partial;
+  da.halves = two;  // H (saved) and dH in halves: gate columns [0, n), up [n, 2n)
   SMOE_RETURN_IF_ERROR(engine::varlen_m(da, sms, stream));
   SMOE_RETURN_IF_ERROR(kernels::ds_rowsum(w.ds_partial, engine::ds_partial_tiles(s.n), sv.scatter_idx, rows,
                                           nnz, dS, stream, valid));
@@ -174,31 +187,41 @@ Status moe_backward(const MoEBackwardArgs& a, cudaStream_t stream) {
   }
   profile::mark("router_bwd", stream);
 
-  if (layer::dw1_path(s) == layer::DwPath::kEngine) {
-    engine::VarlenKArgs dw1;
-    dw1.num_experts = s.E;
-    dw1.M = 2 * s.n;
-    dw1.N = s.d;
-    dw1.rows = rows;
-    dw1.expert_offset = expert_offset;
-    dw1.P = w.dH;
-    dw1.ld_p = 2 * s.n;
-    dw1.Q = a.x;
-    dw1.ld_q = s.d;
-    dw1.gather_q = sv.gather_idx;
-    dw1.D = a.dw1;
-    SMOE_RETURN_IF_ERROR(engine::varlen_k(dw1, sms, stream));
-  } else {
+  // dW1 = dH^T x[gather] over [E][2n][d]. With two tensors dH is in halves, so its columns [0, n)
+  // give dw1 (gate) and [n, 2n) dw3 (up): one call per half, P = dH + half * n, ld_p = 2n.
+  const bool dw1_engine = layer::dw1_path(s) == layer::DwPath::kEngine;
+  if (!dw1_engine)  // CUTLASS reads x gathered into the (then free) dX~ buffer, once for both halves
     SMOE_RETURN_IF_ERROR(kernels::gather_rows(a.x, s.d, sv.gather_idx, rows, w.dXt, stream, valid));
-    gemm::VarlenKArgs dw1;
-    dw1.num_experts = s.E;
-    dw1.M = 2 * s.n;
-    dw1.N = s.d;
-    dw1.expert_offset = expert_offset;
-    dw1.P = w.dH;
-    dw1.Q = w.dXt;  // x gathered
-    dw1.D = a.dw1;
-    SMOE_RETURN_IF_ERROR(gemm::varlen_k_gemm(dw1, w.cutlass, w.cutlass_bytes, sms, stream));
+  for (int half = 0; half < (two ? 2 : 1); ++half) {
+    const int m = two ? s.n : 2 * s.n;
+    const bf16* p_half = w.dH + static_cast<int64_t>(half) * s.n;
+    bf16* d_half = half == 0 ? a.dw1 : a.dw3;
+    if (dw1_engine) {
+      engine::VarlenKArgs dw1;
+      dw1.num_experts = s.E;
+      dw1.M = m;
+      dw1.N = s.d;
+      dw1.rows = rows;
+      dw1.expert_offset = expert_offset;
+      dw1.P = p_half;
+      dw1.ld_p = 2 * s.n;
+      dw1.Q = a.x;
+      dw1.ld_q = s.d;
+      dw1.gather_q = sv.gather_idx;
+      dw1.D = d_half;
+      SMOE_RETURN_IF_ERROR(engine::varlen_k(dw1, sms, stream));
+    } else {
+      gemm::VarlenKArgs dw1;
+      dw1.num_experts = s.E;
+      dw1.M = m;
+      dw1.N = s.d;
+      dw1.expert_offset = expert_offset;
+      dw1.P = p_half;
+      dw1.ld_p = 2 * s.n;
+      dw1.Q = w.dXt;  // x gathered
+      dw1.D = d_half;
+      SMOE_RETURN_IF_ERROR(gemm::varlen_k_gemm(dw1, w.cutlass, w.cutlass_bytes, sms, stream));
+    }
   }
   profile::mark("dW1", stream);
 
@@ -210,7 +233,8 @@ Status moe_backward(const MoEBackwardArgs& a, cudaStream_t stream) {
   dxt.expert_offset = expert_offset;
   dxt.A = w.dH;
   dxt.a_rows = rows;
-  dxt.B = a.weights.w1;  // [E][2n][d] = [E][K][N]
+  dxt.B = a.weights.w1;  // [E][2n][d] = [E][K][N]; two tensors: K-tiles [0, n) of w1, [n, 2n) of w3
+  dxt.B2 = a.weights.w3;
   dxt.b_major = engine::WeightMajor::kKN;
   dxt.epilogue = engine::Epilogue::kStore;
   dxt.D = w.dXt;

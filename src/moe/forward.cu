@@ -38,8 +38,9 @@ Status moe_forward(const MoEForwardArgs& a, cudaStream_t stream) {
        {a.status, sizeof(DeviceStatus), "status"}},
       {{a.x, tb.tokens, "x"},
        {a.weights.w_router, tb.router, "weights.w_router"},
-       {a.weights.w1, tb.w1, "weights.w1"},
+       {a.weights.w1, a.weights.w3 ? tb.w1 / 2 : tb.w1, "weights.w1"},
        {a.weights.w2, tb.w2, "weights.w2"},
+       {a.weights.w3, tb.w1 / 2, "weights.w3"},
        {a.routed_expert, tb.slots, "routed_expert"},
        {a.routed_scores, tb.slots, "routed_scores"}}));
   int sms = 0;
@@ -50,6 +51,8 @@ Status moe_forward(const MoEForwardArgs& a, cudaStream_t stream) {
   void* stamp = plan::saved_layout(s, a.saved).stamp;
   SMOE_RETURN_IF_ERROR(kernels::clear_saved_stamp(stamp, stream));
   const uint64_t saved_need = moe_saved_state_size(s);
+  const bool two = a.weights.w3 != nullptr;  // gate/up as two tensors: H in halves
+  const uint64_t hash = plan::saved_shape_hash(s, two);
   profile::mark("begin", stream);
 
   if (!provided && s.T > 0) {
@@ -86,7 +89,7 @@ Status moe_forward(const MoEForwardArgs& a, cudaStream_t stream) {
   }
   profile::mark("routing", stream);
   if (s.T == 0)  // the saved state holds the (empty) routing; nothing to compute
-    return kernels::write_saved_stamp(stamp, plan::kSavedMagic, plan::saved_shape_hash(s), saved_need, stream);
+    return kernels::write_saved_stamp(stamp, plan::kSavedMagic, hash, saved_need, stream);
 
   // The GEMMs are sized for the row capacity; the scheduler reads the actual rows per expert from
   // expert_offset on the device (rows past expert_offset[E] are never touched).
@@ -100,6 +103,8 @@ Status moe_forward(const MoEForwardArgs& a, cudaStream_t stream) {
   up.a_rows = s.T;
   up.gather_idx = sv.gather_idx;
   up.B = a.weights.w1;
+  up.B2 = a.weights.w3;  // two tensors: gate rows from w1, up rows from w3, H in halves
+  up.halves = two;
   up.b_major = engine::WeightMajor::kNK;
   up.epilogue = engine::Epilogue::kSwiGLU;
   up.D = sv.h;
@@ -125,7 +130,7 @@ Status moe_forward(const MoEForwardArgs& a, cudaStream_t stream) {
   SMOE_RETURN_IF_ERROR(kernels::aggregate(w.y, sv.scores, sv.reverse_scatter_idx, sv.token_offset, s.d, s.T,
                                           a.out, stream));
   profile::mark("aggregate", stream);
-  return kernels::write_saved_stamp(stamp, plan::kSavedMagic, plan::saved_shape_hash(s), saved_need, stream);
+  return kernels::write_saved_stamp(stamp, plan::kSavedMagic, hash, saved_need, stream);
 }
 
 }  // namespace smoe

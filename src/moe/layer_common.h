@@ -31,6 +31,7 @@ inline Status check_common(const char* fn, const MoEShape& s, const bf16* x, con
     SMOE_RETURN_IF_ERROR(detail::check_ptr(w.w_router, fn, "weights.w_router", 16));
   SMOE_RETURN_IF_ERROR(detail::check_ptr(w.w1, fn, "weights.w1", 16));
   SMOE_RETURN_IF_ERROR(detail::check_ptr(w.w2, fn, "weights.w2", 16));
+  if (w.w3 != nullptr) SMOE_RETURN_IF_ERROR(detail::check_ptr(w.w3, fn, "weights.w3", 16));
   return check_buffer(saved, saved_bytes, moe_saved_state_size(s), fn, "saved", "saved_bytes",
                       "moe_saved_state_size");
 }

@@ -29,9 +29,10 @@ size_t row_capacity(const MoEShape& s) {
 }
 }  // namespace
 
-uint64_t saved_shape_hash(const MoEShape& s) {
-  // FNV-1a over the fields that change the saved layout or its meaning.
-  const int64_t f[7] = {s.T, s.d, s.n, s.E, s.K, static_cast<int64_t>(s.router), static_cast<int64_t>(s.rounding)};
+uint64_t saved_shape_hash(const MoEShape& s, bool two_tensor) {
+  // FNV-1a over the fields that change the saved layout or its meaning (H's column order included).
+  const int64_t f[8] = {s.T, s.d, s.n, s.E, s.K, static_cast<int64_t>(s.router), static_cast<int64_t>(s.rounding),
+                        two_tensor ? 1 : 0};
   uint64_t h = 1469598103934665603ull;
   for (int64_t v : f)
     for (int b = 0; b < 8; ++b) {

@@ -26,7 +26,8 @@ struct SavedStamp {
   uint64_t reserved;
 };
 constexpr uint64_t kSavedMagic = 0x45564153656f6d73ull;  // "smoeSAVE"
-uint64_t saved_shape_hash(const MoEShape& s);
+// two_tensor: gate/up as two tensors (MoEWeights::w3), whose H is stored in the halves layout.
+uint64_t saved_shape_hash(const MoEShape& s, bool two_tensor);
 
 struct SavedLayout {
   SavedStamp* stamp;

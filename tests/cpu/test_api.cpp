@@ -231,6 +231,11 @@ TEST(LayerValidation, ForwardArgumentsRejectedBeforeAnyCudaCall) {
       {"out (1024000 bytes) overlaps weights.w2", [](smoe::MoEForwardArgs* a) { a->out = fake<smoe::bf16>(4 * kSlot - 1024000 + 16); }, C::kInvalidArgument},
       {"saved", [](smoe::MoEForwardArgs* a) { a->saved = static_cast<char*>(a->workspace) + 1024; }, C::kInvalidArgument},
       {"status", [](smoe::MoEForwardArgs* a) { a->status = fake<smoe::DeviceStatus>(5 * kSlot + 64); }, C::kInvalidArgument},
+      // Gate/up as two tensors: w3 aligned, and w1 / w3 each [E][n][d] (4 MiB here) not under an output.
+      {"weights.w3 = ", [](smoe::MoEForwardArgs* a) { a->weights.w3 = fake<const smoe::bf16>(13 * kSlot + 8); }, C::kMisalignedPointer},
+      {"out (1024000 bytes) overlaps weights.w3",
+       [](smoe::MoEForwardArgs* a) { a->weights.w3 = fake<const smoe::bf16>(13 * kSlot); a->out = fake<smoe::bf16>(13 * kSlot + 4194304 - 16); },
+       C::kInvalidArgument},
   };
   for (const Case& c : cases) {
     smoe::MoEForwardArgs a = good_forward(s);
@@ -263,6 +268,15 @@ TEST(LayerValidation, BackwardArgumentsRejectedBeforeAnyCudaCall) {
       {"dw_router", [](smoe::MoEBackwardArgs* a) { a->dw_router = a->dw2 + 64; }, C::kInvalidArgument},
       {"workspace", [](smoe::MoEBackwardArgs* a) { a->workspace = const_cast<void*>(a->saved); }, C::kInvalidArgument},
       {"dx (1024000 bytes) overlaps x", [](smoe::MoEBackwardArgs* a) { a->dx = fake<smoe::bf16>(1 * kSlot + 1024000 - 16); }, C::kInvalidArgument},
+      // Gate/up as two tensors: dw3 exactly with w3; dw1 / dw3 / w3 each [E][n][d] = 4 MiB.
+      {"dw3 must be null", [](smoe::MoEBackwardArgs* a) { a->dw3 = fake<smoe::bf16>(14 * kSlot); }, C::kInvalidArgument},
+      {"dw3 (weights.w3 is set) is null", [](smoe::MoEBackwardArgs* a) { a->weights.w3 = fake<const smoe::bf16>(13 * kSlot); }, C::kInvalidArgument},
+      {"dw3 (4194304 bytes) overlaps weights.w3",
+       [](smoe::MoEBackwardArgs* a) { a->weights.w3 = fake<const smoe::bf16>(13 * kSlot); a->dw3 = fake<smoe::bf16>(13 * kSlot + 4194304 - 16); },
+       C::kInvalidArgument},
+      {"dw1 (4194304 bytes) overlaps dw3",
+       [](smoe::MoEBackwardArgs* a) { a->weights.w3 = fake<const smoe::bf16>(13 * kSlot); a->dw3 = a->dw1 + 2097152 - 8; },
+       C::kInvalidArgument},
   };
   for (const Case& c : cases) {
     smoe::MoEBackwardArgs a = good_backward(s);

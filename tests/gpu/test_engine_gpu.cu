@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <memory>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -372,7 +373,222 @@ void run_k(const KCase& c) {
 
 const std::vector<int> kEdgeCounts = {0, 1, 127, 128, 129, 300, 0, 555, 64, 0};
 
+// ---- gate / up as two tensors (VarlenMArgs::B2, halves) -------------------------------------
+// Interleaved column 2c (gate c) is halves column c, 2c + 1 (up c) is n + c.
+std::vector<bf16> to_halves(const std::vector<bf16>& inter, int64_t rows, int n) {
+  std::vector<bf16> h(inter.size());
+  for (int64_t r = 0; r < rows; ++r)
+    for (int c = 0; c < n; ++c) {
+      h[r * 2 * n + c] = inter[r * 2 * n + 2 * c];
+      h[r * 2 * n + n + c] = inter[r * 2 * n + 2 * c + 1];
+    }
+  return h;
+}
+
+bool same_bits(const std::vector<bf16>& a, const std::vector<bf16>& b, size_t n) {
+  return std::memcmp(a.data(), b.data(), n * sizeof(bf16)) == 0;
+}
+
+// Expected bitwise (the same dot product, same K order, in another accumulator column); asserted
+// to 1e-6 so that a hardware summation that depends on the column shows as a note, not a failure.
+void expect_same(const std::vector<bf16>& got, const std::vector<bf16>& want, size_t n, const char* what) {
+  size_t diff = 0;
+  for (size_t i = 0; i < n; ++i) diff += std::memcmp(&got[i], &want[i], sizeof(bf16)) != 0;
+  if (diff) std::printf("[ note ] %s: %zu of %zu elements differ in their bits from the interleaved run\n", what, diff, n);
+  EXPECT_LT(rel_l2(to_double(got, n), to_double(want, n)), 1e-6) << what;
+}
+
+// The up-proj, dA' and dX~ with gate/up as two tensors against the interleaved layout (itself
+// checked against the fp32 twin above) on the same numbers: H, A, dH, A' and dS bitwise the same
+// after the column permutation (each element is the same dot product in the same K order); dX~ sums
+// K in another order (gate block, then up block), so within the bf16 bound. Under the forced
+// instantiation `sched` / `bn` / `cluster` (the up-proj always runs without a cluster).
+void run_gate_up_once(const std::vector<int>& counts, int n, int d, const char* sched, const char* bn,
+                      const char* cluster) {
+  smoe_test::Rng rng;
+  SCOPED_TRACE(testing::Message() << "gate/up two tensors, seed " << rng.seed << " n " << n << " d " << d << " sched "
+                                  << sched << " bn " << bn << " cluster " << cluster);
+  setenv("SMOE_ENGINE_SCHED", sched, 1);
+  setenv("SMOE_ENGINE_BN_M", bn, 1);
+  setenv("SMOE_ENGINE_CLUSTER", cluster, 1);
+  auto& g = rng.gen;
+  Groups gr(counts);
+  const int E = gr.E();
+  const int64_t rows = gr.rows, x_rows = std::max<int64_t>(1, rows / 2 + 3);
+  const auto hx = random_bf16(x_rows * d, 1.0, g);
+  const auto w1 = random_bf16(static_cast<size_t>(E) * n * d, 1.0 / std::sqrt(d), g);
+  const auto w3 = random_bf16(static_cast<size_t>(E) * n * d, 1.0 / std::sqrt(d), g);
+  std::vector<bf16> wi(static_cast<size_t>(E) * 2 * n * d);  // interleaved [E][2n][d]
+  for (int64_t er = 0; er < static_cast<int64_t>(E) * n; ++er)
+    for (int k = 0; k < d; ++k) {
+      wi[(2 * er) * d + k] = w1[er * d + k];
+      wi[(2 * er + 1) * d + k] = w3[er * d + k];
+    }
+  std::vector<int32_t> gidx(std::max<int64_t>(rows, 1), 0), scatter(std::max<int64_t>(rows, 1), 0);
+  std::uniform_int_distribution<int64_t> pick(0, x_rows - 1);
+  for (int64_t r = 0; r < rows; ++r) gidx[r] = static_cast<int32_t>(pick(g));
+  std::iota(scatter.begin(), scatter.begin() + rows, 0);
+  std::shuffle(scatter.begin(), scatter.begin() + rows, g);
+  std::vector<float> scores(std::max<int64_t>(rows, 1));
+  std::uniform_real_distribution<float> us(0.05f, 1.f);
+  for (auto& v : scores) v = us(g);
+  std::unique_ptr<DeviceBuffer<bf16>> X(upload(hx)), W1(upload(w1)), W3(upload(w3)), Wi(upload(wi));
+  std::unique_ptr<DeviceBuffer<int32_t>> G(upload(gidx)), SC(upload(scatter));
+  std::unique_ptr<DeviceBuffer<float>> S(upload(scores));
+  const size_t nh = static_cast<size_t>(rows) * 2 * n, na = static_cast<size_t>(rows) * n;
+
+  // Up-proj: interleaved, then halves.
+  Out<bf16> Hi(nh), Ai(na), Hh(nh), Ah(na);
+  eng::VarlenMArgs up;
+  up.num_experts = E;
+  up.N = 2 * n;
+  up.K = d;
+  up.rows = rows;
+  up.expert_offset = gr.d_off.get();
+  up.A = X->get();
+  up.a_rows = x_rows;
+  up.gather_idx = G->get();
+  up.b_major = eng::WeightMajor::kNK;
+  up.epilogue = eng::Epilogue::kSwiGLU;
+  up.B = Wi->get();
+  up.D = Hi.get();
+  up.D2 = Ai.get();
+  smoe::Status st = eng::varlen_m(up, sms(), 0);
+  ASSERT_TRUE(st.ok()) << st.message;
+  eng::VarlenMArgs uph = up;
+  uph.B = W1->get();
+  uph.B2 = W3->get();
+  uph.halves = true;
+  uph.D = Hh.get();
+  uph.D2 = Ah.get();
+  const eng::Choice ch = eng::choose_varlen_m(uph, sms());
+  EXPECT_EQ(ch.cluster, 1) << ch.name;
+  st = eng::varlen_m(uph, sms(), 0);
+  ASSERT_TRUE(st.ok()) << st.message;
+  CUDA_OK(cudaDeviceSynchronize());
+  const auto hHi = Hi.all(), hAi = Ai.all(), hHh = Hh.all(), hAh = Ah.all();
+  expect_same(hHh, to_halves(hHi, rows, n), nh, "H (halves) vs permuted H (interleaved)");
+  expect_same(hAh, hAi, na, "A");
+  Hh.expect_guard(hHh, "H (halves)");
+  Ah.expect_guard(hAh, "A (halves)");
+
+  // dA': dO gathered (x stands in), B = W2^T: a [E][d][n] weight read MN-major; H from the up-proj.
+  const auto w2 = random_bf16(static_cast<size_t>(E) * d * n, 1.0 / std::sqrt(n), g);
+  std::unique_ptr<DeviceBuffer<bf16>> W2(upload(w2));
+  Out<bf16> dHi(nh), APi(na), dHh(nh), APh(na);
+  Out<float> dsi(static_cast<size_t>(rows) * eng::ds_partial_tiles(n)), dsh(static_cast<size_t>(rows) * eng::ds_partial_tiles(n));
+  eng::VarlenMArgs da;
+  da.num_experts = E;
+  da.N = n;
+  da.K = d;
+  da.rows = rows;
+  da.expert_offset = gr.d_off.get();
+  da.A = X->get();
+  da.a_rows = x_rows;
+  da.gather_idx = G->get();
+  da.B = W2->get();
+  da.b_major = eng::WeightMajor::kKN;
+  da.epilogue = eng::Epilogue::kDSwiGLU;
+  da.H = Hi.get();
+  da.dH = dHi.get();
+  da.D2 = APi.get();
+  da.scores = S->get();
+  da.scatter = SC->get();
+  da.ds_partial = dsi.get();
+  st = eng::varlen_m(da, sms(), 0);
+  ASSERT_TRUE(st.ok()) << st.message;
+  eng::VarlenMArgs dah = da;
+  dah.halves = true;
+  dah.H = Hh.get();
+  dah.dH = dHh.get();
+  dah.D2 = APh.get();
+  dah.ds_partial = dsh.get();
+  st = eng::varlen_m(dah, sms(), 0);
+  ASSERT_TRUE(st.ok()) << st.message;
+  CUDA_OK(cudaDeviceSynchronize());
+  const auto hdHi = dHi.all(), hdHh = dHh.all(), hAPi = APi.all(), hAPh = APh.all();
+  const auto hdsi = dsi.all(), hdsh = dsh.all();
+  expect_same(hdHh, to_halves(hdHi, rows, n), nh, "dH (halves) vs permuted dH");
+  expect_same(hAPh, hAPi, na, "A'");
+  EXPECT_LT(rel_l2(to_double(hdsh, dsi.n), to_double(hdsi, dsi.n)), 1e-6) << "dS partials";
+  dHh.expect_guard(hdHh, "dH (halves)");
+
+  // dX~ = dH [W1 gate; W3 up]: A = dH by TMA (K = 2n), B MN-major; two tensors split K.
+  Out<bf16> Xi(static_cast<size_t>(rows) * d), Xh(static_cast<size_t>(rows) * d);
+  eng::VarlenMArgs dx;
+  dx.num_experts = E;
+  dx.N = d;
+  dx.K = 2 * n;
+  dx.rows = rows;
+  dx.expert_offset = gr.d_off.get();
+  dx.A = dHi.get();
+  dx.a_rows = rows;
+  dx.B = Wi->get();
+  dx.b_major = eng::WeightMajor::kKN;
+  dx.epilogue = eng::Epilogue::kStore;
+  dx.D = Xi.get();
+  st = eng::varlen_m(dx, sms(), 0);
+  ASSERT_TRUE(st.ok()) << st.message;
+  eng::VarlenMArgs dxh = dx;
+  dxh.A = dHh.get();
+  dxh.B = W1->get();
+  dxh.B2 = W3->get();
+  dxh.D = Xh.get();
+  st = eng::varlen_m(dxh, sms(), 0);
+  ASSERT_TRUE(st.ok()) << st.message;
+  CUDA_OK(cudaDeviceSynchronize());
+  const auto hXi = Xi.all(), hXh = Xh.all();
+  EXPECT_LT(rel_l2(to_double(hXh, Xh.n), to_double(hXi, Xi.n)), kTol) << "dX~ (two tensors) vs interleaved";
+  Xh.expect_guard(hXh, "dX~ (two tensors)");
+  // Bitwise determinism of the two-tensor runs.
+  ASSERT_TRUE(eng::varlen_m(uph, sms(), 0).ok());
+  ASSERT_TRUE(eng::varlen_m(dxh, sms(), 0).ok());
+  CUDA_OK(cudaDeviceSynchronize());
+  EXPECT_TRUE(same_bits(Hh.all(), hHh, nh)) << "H (halves) not deterministic";
+  EXPECT_TRUE(same_bits(Xh.all(), hXh, Xh.n)) << "dX~ (two tensors) not deterministic";
+}
+
+void run_gate_up(const std::vector<int>& counts, int n, int d) {
+  const char* runs[][3] = {{"coop", "128", "1"}, {"pingpong", "128", "1"}, {"coop", "256", "1"},
+                           {"pingpong", "192", "1"}, {"pingpong", "128", "2"}, {"coop", "256", "2"}};
+  for (const auto& r : runs) run_gate_up_once(counts, n, d, r[0], r[1], r[2]);
+  unsetenv("SMOE_ENGINE_SCHED");
+  unsetenv("SMOE_ENGINE_BN_M");
+  unsetenv("SMOE_ENGINE_CLUSTER");
+  run_gate_up_once(counts, n, d, "", "", "");  // the heuristic's picks (empty values: not forced)
+  unsetenv("SMOE_ENGINE_SCHED");
+  unsetenv("SMOE_ENGINE_BN_M");
+  unsetenv("SMOE_ENGINE_CLUSTER");
+}
+
 }  // namespace
+
+TEST(GpuEngine, GateUpTwoTensors) {
+  run_gate_up(kEdgeCounts, 128, 192);  // 2n = 256: the 256-wide up-proj tiles too
+  run_gate_up(kEdgeCounts, 64, 128);   // the smallest n: one 128-wide tile of pairs, half of it valid at 256
+  run_gate_up({0, 0, 2000, 0}, 192, 256);  // one hot expert; 2n = 384: a partial 256-wide tile
+}
+
+TEST(GpuEngine, GateUpTwoTensorsBadArguments) {
+  eng::VarlenMArgs a;
+  a.num_experts = 2;
+  a.N = 128;
+  a.K = 64;
+  a.rows = 10;
+  a.epilogue = eng::Epilogue::kStore;
+  a.b_major = eng::WeightMajor::kNK;  // the down-proj: W2 is one tensor
+  a.B2 = reinterpret_cast<const bf16*>(uintptr_t{256});
+  smoe::Status s = eng::varlen_m(a, sms(), 0);
+  EXPECT_FALSE(s.ok());
+  EXPECT_NE(s.message.find("B2 (gate/up as two tensors)"), std::string::npos) << s.message;
+  a.epilogue = eng::Epilogue::kSwiGLU;  // B2 without halves
+  s = eng::varlen_m(a, sms(), 0);
+  EXPECT_NE(s.message.find("set halves"), std::string::npos) << s.message;
+  a.B2 = nullptr;
+  a.halves = true;  // halves H from an interleaved W1
+  s = eng::varlen_m(a, sms(), 0);
+  EXPECT_NE(s.message.find("needs B2"), std::string::npos) << s.message;
+}
 
 TEST(GpuEngine, StoreWeightsNK) {
   run_m({kEdgeCounts, 192, 128, eng::WeightMajor::kNK, eng::Epilogue::kStore, false});

@@ -98,24 +98,88 @@ def test_forward_and_all_gradients_match_fp32_torch(T, d, n, E, K):
 
 
 def test_packed_expert_weights_are_read_in_place_and_match_the_copy():
-    """experts.w1 / w3 share one storage, so the kernels' operand is a view (no per-step copy); a module
-    whose pair is unpacked (w3 replaced by a copy) takes the stack path: bitwise the same results."""
+    """experts.w1 / w3 share one storage, so the kernels' operand is a view (no per-step copy). A
+    module whose pair is unpacked (both replaced, as FSDP's unsharded params are) passes the two
+    tensors to the kernels as they are (gate/up halves, MoEWeights::w3): no copy either. Same
+    results: out, dw2 and the router gradient bitwise, dw1 / dw3 to 1e-5 (the same row sums), dx
+    within the bf16 bound (dX~ sums K in another order)."""
     gen = fresh_gen()
     T, d, n, E, K = 300, 128, 64, 8, 2
     x, wr, w1, w2, w3, dout = draw(T, d, n, E, K, gen)
     packed = module_with(wr, w1, w2, w3, K)
     ex = packed.experts
     assert ex.interleaved_w1(torch.bfloat16).data_ptr() == ex.w1.data_ptr(), "a view, not a copy"
+    op1, op3 = ex.gate_up_operands(torch.bfloat16)
+    assert op3 is None and op1.data_ptr() == ex.w1.data_ptr()
     loose = module_with(wr, w1, w2, w3, K)
-    loose.experts.w3 = torch.nn.Parameter(loose.experts.w3.detach().clone())
-    assert loose.experts.interleaved_w1(torch.bfloat16).data_ptr() != loose.experts.w1.data_ptr()
+    # FSDP2 hands both unsharded parameters over as separate contiguous tensors: no copy then. With
+    # only w3 replaced, w1 is still a strided half of the old storage and is made contiguous.
+    half = module_with(wr, w1, w2, w3, K).experts
+    half.w3 = torch.nn.Parameter(half.w3.detach().clone())
+    op1, op3 = half.gate_up_operands(torch.bfloat16)
+    assert op1.is_contiguous() and torch.equal(op1, half.w1) and op3.data_ptr() == half.w3.data_ptr()
+    for name in ("w1", "w3"):
+        setattr(loose.experts, name, torch.nn.Parameter(getattr(loose.experts, name).detach().clone()))
+    op1, op3 = loose.experts.gate_up_operands(torch.bfloat16)
+    assert op1.data_ptr() == loose.experts.w1.data_ptr() and op3.data_ptr() == loose.experts.w3.data_ptr()
     res = []
     for m in (packed, loose):
         xg = x.clone().requires_grad_(True)
-        m(xg).backward(dout)
-        res.append([xg.grad, m.experts.w1.grad, m.experts.w2.grad, m.experts.w3.grad, m.router.gate.weight.grad])
-    for a, b in zip(*res):
-        assert torch.equal(a, b)
+        out = m(xg)
+        out.backward(dout)
+        res.append(dict(out=out, dx=xg.grad, w1=m.experts.w1.grad, w2=m.experts.w2.grad, w3=m.experts.w3.grad,
+                        wr=m.router.gate.weight.grad))
+    a, b = res
+    for k in ("out", "w2", "wr"):
+        assert torch.equal(a[k], b[k]), k
+    for k in ("w1", "w3"):
+        assert rel_l2(b[k], a[k]) < 1e-5, k
+    assert rel_l2(b["dx"], a["dx"]) < TOL
+
+
+def test_two_tensor_ops_match_interleaved_and_compile():
+    """The ops' w3 argument directly (torch.compile included): the same numbers as interleaved."""
+    gen = fresh_gen()
+    T, d, n, E, K = 256, 128, 128, 16, 4
+    x, wr, w1, w2, w3, dout = draw(T, d, n, E, K, gen)
+    wi = torch.stack((w1, w3), dim=2).reshape(E, 2 * n, d)
+    out_i = smoe_torch.moe_forward_interleaved(x, wr, wi, w2, K)
+    fn = lambda x_, g_, u_: torch.ops.smoe.moe_forward(x_, wr, g_, w2, K, u_)[0]  # noqa: E731
+    for f in (fn, torch.compile(fn, fullgraph=True)):
+        xg, g1, g3 = (t.clone().requires_grad_(True) for t in (x, w1, w3))
+        out = f(xg, g1, g3)
+        assert torch.equal(out, out_i)
+        out.backward(dout)
+        assert g1.grad.shape == w1.shape and g3.grad.shape == w3.shape
+        wig = wi.clone().requires_grad_(True)
+        smoe_torch.moe_forward_interleaved(x, wr, wig, w2, K).backward(dout)
+        ref = wig.grad.view(E, n, 2, d)
+        assert rel_l2(g1.grad, ref[:, :, 0]) < 1e-5 and rel_l2(g3.grad, ref[:, :, 1]) < 1e-5
+
+
+def test_torch_router_logits_are_fp32_not_bf16_rounded():
+    """Torch-routed paths (non-default routers, expert bias, EP) take top-K of fp32 logits from the
+    bf16 GEMM, as the fused router does, not of bf16-rounded ones; gradients as the fused router's."""
+    gen = fresh_gen()
+    T, d, E = 512, 256, 64
+    x = torch.randn(T, d, generator=gen, device="cuda").bfloat16()
+    w = (torch.randn(E, d, generator=gen, device="cuda") / math.sqrt(d)).bfloat16().requires_grad_(True)
+    xr = x.clone().requires_grad_(True)
+    logits = smoe_torch.moe.router_logits(xr, w)
+    assert logits.dtype == torch.float32
+    ref = x.double() @ w.detach().double().T
+    err, bf16_err = rel_l2(logits, ref), rel_l2(logits.bfloat16(), ref)
+    assert err < 1e-5 and bf16_err > 1e-4, (err, bf16_err)
+    g = torch.randn(T, E, generator=gen, device="cuda")
+    logits.backward(g)
+    gb = g.bfloat16().double()
+    assert rel_l2(xr.grad, gb @ w.detach().double()) < TOL
+    assert rel_l2(w.grad, gb.T @ x.double()) < TOL
+    # The module's torch-routed path uses it: its full scores are the fp32 softmax.
+    m = smoe_torch.MoE(d, 64, E, 4, score_func="sigmoid").cuda().to(torch.bfloat16)
+    _, _, probs = m.router(x)
+    want = torch.sigmoid(x.double() @ m.router.gate.weight.detach().double().T)
+    assert rel_l2(probs, want) < 1e-5
 
 
 def test_torch_compile_fullgraph_matches_eager():

@@ -39,9 +39,10 @@ void throw_if(const smoe::Status& s) {
   TORCH_CHECK(s.ok(), "smoe: ", s.message, " [", smoe::status_code_name(s.code), "]");
 }
 
-// w_router undefined: caller-provided routing (E from w1).
+// w_router undefined: caller-provided routing (E from w1). w3 defined: gate/up as two tensors,
+// w1 (gate) and w3 (up) [E, n, d] each; else w1 [E, 2n, d] interleaved.
 smoe::MoEShape layer_shape(const at::Tensor& x, const at::Tensor& w_router, const at::Tensor& w1,
-                           const at::Tensor& w2, int64_t top_k) {
+                           const at::Tensor& w2, int64_t top_k, const at::Tensor& w3 = at::Tensor()) {
   TORCH_CHECK(top_k >= 1 && top_k <= smoe::kMaxTopK, "smoe: top_k = ", num(top_k), " must be in [1, ",
               num(smoe::kMaxTopK), "]");
   check_tensor(x, "x", at::kBFloat16, 2);
@@ -57,10 +58,20 @@ smoe::MoEShape layer_shape(const at::Tensor& x, const at::Tensor& w_router, cons
                 " (E = w1.size(0), d = x.size(1); got ", dims(w_router.sizes()), ")");
     TORCH_CHECK(x.device() == w_router.device(), "smoe: x and w_router must be on the same device");
   }
-  TORCH_CHECK(w1.size(0) == E && w1.size(2) == d && w1.size(1) % 2 == 0,
-              "smoe: w1 must be [E, 2n, d] (gate/up interleaved) with E = ", num(E), ", d = ", num(d), " (got ",
-              dims(w1.sizes()), ")");
-  const int64_t n = w1.size(1) / 2;
+  const bool two = w3.defined();
+  int64_t n = 0;
+  if (two) {
+    check_tensor(w3, "w3", at::kBFloat16, 3);
+    TORCH_CHECK(w1.size(2) == d && w3.sizes() == w1.sizes(), "smoe: w1 (gate) and w3 (up) must both be [E, n, d] with d = ",
+                num(d), " (got ", dims(w1.sizes()), " and ", dims(w3.sizes()), ")");
+    TORCH_CHECK(w3.device() == x.device(), "smoe: w3 must be on x's device");
+    n = w1.size(1);
+  } else {
+    TORCH_CHECK(w1.size(0) == E && w1.size(2) == d && w1.size(1) % 2 == 0,
+                "smoe: w1 must be [E, 2n, d] (gate/up interleaved) with E = ", num(E), ", d = ", num(d), " (got ",
+                dims(w1.sizes()), ")");
+    n = w1.size(1) / 2;
+  }
   TORCH_CHECK(w2.size(0) == E && w2.size(1) == d && w2.size(2) == n, "smoe: w2 must be [E, d, n] = ",
               dims({E, d, n}), " (got ", dims(w2.sizes()), ")");
   TORCH_CHECK(x.device() == w1.device() && x.device() == w2.device(),
@@ -107,7 +118,7 @@ smoe::MoEShape with_rounding(smoe::MoEShape s, int64_t rounding) {
 
 std::tuple<at::Tensor, at::Tensor> forward_impl(const smoe::MoEShape& s, const at::Tensor& x, const at::Tensor& w_router,
                                                 const at::Tensor& w1, const at::Tensor& w2, const at::Tensor& expert,
-                                                const at::Tensor& scores, uint64_t seed) {
+                                                const at::Tensor& scores, uint64_t seed, const at::Tensor& w3) {
   const c10::cuda::CUDAGuard guard(x.device());
   at::Tensor out = at::empty_like(x);
   at::Tensor saved = bytes(static_cast<int64_t>(smoe::moe_saved_state_size(s)), x);
@@ -115,7 +126,7 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const smoe::MoEShape& s, const a
   smoe::MoEForwardArgs a;
   a.shape = s;
   a.x = bf16_ptr(x);
-  a.weights = {bf16_ptr(w_router), bf16_ptr(w1), bf16_ptr(w2)};
+  a.weights = {bf16_ptr(w_router), bf16_ptr(w1), bf16_ptr(w2), bf16_ptr(w3)};
   a.out = reinterpret_cast<smoe::bf16*>(out.data_ptr());
   a.saved = saved.data_ptr();
   a.saved_bytes = static_cast<size_t>(saved.numel());
@@ -133,9 +144,10 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const smoe::MoEShape& s, const a
 
 // Caller-provided routing: expert [T, K] int32 (-1 = empty slot), scores [T, K] float32.
 std::tuple<at::Tensor, at::Tensor> moe_forward_routed(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w2,
-                                                      const at::Tensor& expert, const at::Tensor& scores) {
+                                                      const at::Tensor& expert, const at::Tensor& scores,
+                                                      const c10::optional<at::Tensor>& w3) {
   TORCH_CHECK(expert.dim() == 2, "smoe: expert must be [T, K] int32 (got shape ", dims(expert.sizes()), ")");
-  smoe::MoEShape s = layer_shape(x, at::Tensor(), w1, w2, expert.size(1));
+  smoe::MoEShape s = layer_shape(x, at::Tensor(), w1, w2, expert.size(1), w3.value_or(at::Tensor()));
   check_tensor(expert, "expert", at::kInt, 2);
   check_tensor(scores, "scores", at::kFloat, 2);
   TORCH_CHECK(expert.size(0) == s.T && scores.sizes() == expert.sizes(), "smoe: expert and scores must both be [T, K] = ",
@@ -144,25 +156,32 @@ std::tuple<at::Tensor, at::Tensor> moe_forward_routed(const at::Tensor& x, const
               "smoe: expert and scores must be on x's device");
   s.router = smoe::MoERouter::kProvided;
   throw_if(smoe::moe_can_implement(s));
-  return forward_impl(s, x, at::Tensor(), w1, w2, expert, scores, 0);
+  return forward_impl(s, x, at::Tensor(), w1, w2, expert, scores, 0, w3.value_or(at::Tensor()));
 }
 
 std::tuple<at::Tensor, at::Tensor> moe_forward_tr(const at::Tensor& x, const at::Tensor& w_router, const at::Tensor& w1,
-                                                  const at::Tensor& w2, int64_t top_k, int64_t rounding, int64_t seed) {
+                                                  const at::Tensor& w2, int64_t top_k, int64_t rounding, int64_t seed,
+                                                  const c10::optional<at::Tensor>& w3) {
   TORCH_CHECK(rounding >= 0, "smoe: moe_forward_tr needs rounding in 0..3 (got ", num(rounding), ")");
-  const smoe::MoEShape s = with_rounding(layer_shape(x, w_router, w1, w2, top_k), rounding);
-  return forward_impl(s, x, w_router, w1, w2, at::Tensor(), at::Tensor(), static_cast<uint64_t>(seed));
+  const at::Tensor w3t = w3.value_or(at::Tensor());
+  const smoe::MoEShape s = with_rounding(layer_shape(x, w_router, w1, w2, top_k, w3t), rounding);
+  return forward_impl(s, x, w_router, w1, w2, at::Tensor(), at::Tensor(), static_cast<uint64_t>(seed), w3t);
 }
 
 std::tuple<at::Tensor, at::Tensor> moe_forward(const at::Tensor& x, const at::Tensor& w_router,
-                                               const at::Tensor& w1, const at::Tensor& w2, int64_t top_k) {
-  const smoe::MoEShape s = layer_shape(x, w_router, w1, w2, top_k);
-  return forward_impl(s, x, w_router, w1, w2, at::Tensor(), at::Tensor(), 0);
+                                               const at::Tensor& w1, const at::Tensor& w2, int64_t top_k,
+                                               const c10::optional<at::Tensor>& w3) {
+  const at::Tensor w3t = w3.value_or(at::Tensor());
+  const smoe::MoEShape s = layer_shape(x, w_router, w1, w2, top_k, w3t);
+  return forward_impl(s, x, w_router, w1, w2, at::Tensor(), at::Tensor(), 0, w3t);
 }
 
+// With w3 (gate/up as two tensors) the weight gradient is one [2, E, n, d] tensor: [0] = dw1 (gate),
+// [1] = dw3 (up), each contiguous; the Python autograd hands out the two views (no copy), and the
+// ops keep their output count.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_impl(
     const smoe::MoEShape& s, const at::Tensor& dout, const at::Tensor& x, const at::Tensor& w_router,
-    const at::Tensor& w1, const at::Tensor& w2, const at::Tensor& saved) {
+    const at::Tensor& w1, const at::Tensor& w2, const at::Tensor& saved, const at::Tensor& w3) {
   check_tensor(dout, "dout", at::kBFloat16, 2);
   TORCH_CHECK(dout.sizes() == x.sizes(), "smoe: dout must have the shape of x ", dims(x.sizes()), " (got ",
               dims(dout.sizes()), ")");
@@ -172,14 +191,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_
               "smoe: saved must be the uint8 CUDA tensor returned by the forward op for these shapes");
   const c10::cuda::CUDAGuard guard(x.device());
   const bool provided = s.router == smoe::MoERouter::kProvided;
-  at::Tensor dx = at::empty_like(x), dw1 = at::empty_like(w1), dw2 = at::empty_like(w2);
+  const bool two = w3.defined();
+  at::Tensor dx = at::empty_like(x), dw2 = at::empty_like(w2);
+  at::Tensor dw1 = two ? at::empty({2, w1.size(0), w1.size(1), w1.size(2)}, w1.options()) : at::empty_like(w1);
   at::Tensor dwr = provided ? at::Tensor() : at::empty_like(w_router);
   at::Tensor dscores = provided ? at::empty({s.T, s.K}, x.options().dtype(at::kFloat)) : at::Tensor();
   at::Tensor ws = bytes(static_cast<int64_t>(smoe::moe_backward_workspace_size(s)), x);
   smoe::MoEBackwardArgs a;
   a.shape = s;
   a.x = bf16_ptr(x);
-  a.weights = {bf16_ptr(w_router), bf16_ptr(w1), bf16_ptr(w2)};
+  a.weights = {bf16_ptr(w_router), bf16_ptr(w1), bf16_ptr(w2), bf16_ptr(w3)};
   a.dout = bf16_ptr(dout);
   a.saved = saved.data_ptr();
   a.saved_bytes = static_cast<size_t>(saved.numel());
@@ -187,6 +208,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_
   a.dw_router = provided ? nullptr : reinterpret_cast<smoe::bf16*>(dwr.data_ptr());
   a.dscores = provided ? dscores.data_ptr<float>() : nullptr;
   a.dw1 = reinterpret_cast<smoe::bf16*>(dw1.data_ptr());
+  a.dw3 = two ? reinterpret_cast<smoe::bf16*>(dw1[1].data_ptr()) : nullptr;
   a.dw2 = reinterpret_cast<smoe::bf16*>(dw2.data_ptr());
   a.workspace = ws.data_ptr();
   a.workspace_bytes = static_cast<size_t>(ws.numel());
@@ -196,29 +218,33 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_backward_routed(
     const at::Tensor& dout, const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w2, const at::Tensor& saved,
-    int64_t top_k) {
-  smoe::MoEShape s = layer_shape(x, at::Tensor(), w1, w2, top_k);
+    int64_t top_k, const c10::optional<at::Tensor>& w3) {
+  const at::Tensor w3t = w3.value_or(at::Tensor());
+  smoe::MoEShape s = layer_shape(x, at::Tensor(), w1, w2, top_k, w3t);
   s.router = smoe::MoERouter::kProvided;
   throw_if(smoe::moe_can_implement(s));
-  auto r = backward_impl(s, dout, x, at::Tensor(), w1, w2, saved);
+  auto r = backward_impl(s, dout, x, at::Tensor(), w1, w2, saved, w3t);
   return {std::get<0>(r), std::get<2>(r), std::get<3>(r), std::get<4>(r)};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_backward_tr(
     const at::Tensor& dout, const at::Tensor& x, const at::Tensor& w_router, const at::Tensor& w1,
-    const at::Tensor& w2, const at::Tensor& saved, int64_t top_k, int64_t rounding) {
+    const at::Tensor& w2, const at::Tensor& saved, int64_t top_k, int64_t rounding,
+    const c10::optional<at::Tensor>& w3) {
   TORCH_CHECK(rounding >= 0, "smoe: moe_backward_tr needs rounding in 0..3 (got ", num(rounding), ")");
-  const smoe::MoEShape s = with_rounding(layer_shape(x, w_router, w1, w2, top_k), rounding);
-  auto r = backward_impl(s, dout, x, w_router, w1, w2, saved);
+  const at::Tensor w3t = w3.value_or(at::Tensor());
+  const smoe::MoEShape s = with_rounding(layer_shape(x, w_router, w1, w2, top_k, w3t), rounding);
+  auto r = backward_impl(s, dout, x, w_router, w1, w2, saved, w3t);
   return {std::get<0>(r), std::get<1>(r), std::get<2>(r), std::get<3>(r)};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_backward(
     const at::Tensor& dout, const at::Tensor& x, const at::Tensor& w_router, const at::Tensor& w1,
-    const at::Tensor& w2, const at::Tensor& saved, int64_t top_k) {
+    const at::Tensor& w2, const at::Tensor& saved, int64_t top_k, const c10::optional<at::Tensor>& w3) {
   TORCH_CHECK(w_router.defined(), "smoe: w_router is required");
-  const smoe::MoEShape s = layer_shape(x, w_router, w1, w2, top_k);
-  auto r = backward_impl(s, dout, x, w_router, w1, w2, saved);
+  const at::Tensor w3t = w3.value_or(at::Tensor());
+  const smoe::MoEShape s = layer_shape(x, w_router, w1, w2, top_k, w3t);
+  auto r = backward_impl(s, dout, x, w_router, w1, w2, saved, w3t);
   return {std::get<0>(r), std::get<1>(r), std::get<2>(r), std::get<3>(r)};
 }
 
@@ -298,17 +324,20 @@ int64_t token_rounding_tile() { return smoe::moe_token_rounding_tile(smoe::MoESh
 }  // namespace
 
 TORCH_LIBRARY(smoe, m) {
-  m.def("moe_forward(Tensor x, Tensor w_router, Tensor w1, Tensor w2, int top_k) -> (Tensor, Tensor)");
+  // w3 (optional, last): gate/up as two tensors, w1 (gate) and w3 (up) [E, n, d]; the backward's
+  // weight gradient is then [2, E, n, d] (dw1, dw3). Without it w1 is [E, 2n, d] interleaved.
+  m.def("moe_forward(Tensor x, Tensor w_router, Tensor w1, Tensor w2, int top_k, Tensor? w3=None) -> (Tensor, Tensor)");
   m.def("moe_backward(Tensor dout, Tensor x, Tensor w_router, Tensor w1, Tensor w2, Tensor saved, "
-        "int top_k) -> (Tensor, Tensor, Tensor, Tensor)");
+        "int top_k, Tensor? w3=None) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("topk_routing(Tensor logits, int top_k) -> Tensor[]");
-  m.def("moe_forward_routed(Tensor x, Tensor w1, Tensor w2, Tensor expert, Tensor scores) -> (Tensor, Tensor)");
-  m.def("moe_backward_routed(Tensor dout, Tensor x, Tensor w1, Tensor w2, Tensor saved, int top_k) "
-        "-> (Tensor, Tensor, Tensor, Tensor)");
-  m.def("moe_forward_tr(Tensor x, Tensor w_router, Tensor w1, Tensor w2, int top_k, int rounding, int seed) "
+  m.def("moe_forward_routed(Tensor x, Tensor w1, Tensor w2, Tensor expert, Tensor scores, Tensor? w3=None) "
         "-> (Tensor, Tensor)");
+  m.def("moe_backward_routed(Tensor dout, Tensor x, Tensor w1, Tensor w2, Tensor saved, int top_k, Tensor? w3=None) "
+        "-> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("moe_forward_tr(Tensor x, Tensor w_router, Tensor w1, Tensor w2, int top_k, int rounding, int seed, "
+        "Tensor? w3=None) -> (Tensor, Tensor)");
   m.def("moe_backward_tr(Tensor dout, Tensor x, Tensor w_router, Tensor w1, Tensor w2, Tensor saved, int top_k, "
-        "int rounding) -> (Tensor, Tensor, Tensor, Tensor)");
+        "int rounding, Tensor? w3=None) -> (Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(smoe, CUDA, m) {
