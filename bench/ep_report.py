@@ -10,7 +10,9 @@ Roofline (per rank, global batch T split evenly over R = 2 ranks, uniform routin
          direction, forward moves (T/R) p d 2 bytes of dispatch and as many of combine, backward the
          same (dO out, dX~ back); at 350 GB/s, the LSA push measured on this machine
   roofline = max(GEMM, NVLink) (communication overlapped), fraction = roofline / measured.
-A later run of a config replaces an earlier one system by system (the raw files stay in ep_raw/).
+A later run of a config replaces an earlier one system by system (the raw files stay in ep_raw/);
+"later" is by the commit time of each file's commit (git), not by the order of the arguments (a
+glob sorts the hashes alphabetically).
 Baseline numbers (torchtitan_a2a, ours_local_a2a) of runs before 6910319 are dropped: that
 bench/ep_baseline.py built the baseline's receive permutation with E/R * R host syncs, which
 inflated its forward (1.4B: 13.1 ms, 5.0 ms with the on-device permutation). Our EP numbers of
@@ -20,6 +22,7 @@ import argparse
 import json
 import math
 import os
+import subprocess
 
 NVLINK_GBS = 350.0
 BASELINE_INVALID_RUNS = {"fbbbbad", "5e9fecd"}   # see the docstring
@@ -38,6 +41,16 @@ def roofline(c, bound, R=2):
             "p_cross": p, "nvlink_gbs": NVLINK_GBS}
 
 
+def commit_time(commit, root):
+    """Commit time of a hash (seconds), or 0 when git does not know it (the argument order then)."""
+    try:
+        out = subprocess.run(["git", "-C", root, "show", "-s", "--format=%ct", commit], capture_output=True,
+                             text=True, timeout=30)
+        return int(out.stdout.strip()) if out.returncode == 0 else 0
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return 0
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("raw", nargs="+")
@@ -47,8 +60,9 @@ def main():
     bound = json.load(open(os.path.join(root, "cublas_bound.json")))["bound"]
     order = [c["name"] for c in json.load(open(os.path.join(root, "configs.json")))]
     merged, meta, dropped = {}, {}, {}
-    for f in args.raw:
-        d = json.load(open(f))
+    runs = [json.load(open(f)) for f in args.raw]
+    runs.sort(key=lambda d: commit_time(d.get("commit", ""), root))   # stable: ties keep argument order
+    for d in runs:
         for r in d["results"]:
             name = r["config"]["name"]
             e = merged.setdefault(name, {"config": r["config"], "systems": {}})

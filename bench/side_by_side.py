@@ -6,7 +6,7 @@ grouped_mm baseline (torchtitan pattern, bench/torch_baseline.py), (c) SonicMoE 
 Same inputs for all three (torch_baseline.make_inputs); the same timing (torch_baseline.measure: CUDA events, warm-up,
 median) and memory accounting (memory_allocated after forward minus before, less the output).
 (a) calls torch.ops.smoe.moe_forward with gate/up already interleaved (the library's layout, as a
-caller that keeps its weights that way would); smoe_torch.MoE adds one stack of w1/w3 per step.
+caller that keeps its weights that way would); smoe_torch.MoE's own cost over the op is in bench/module_vs_op.py.
 
 Usage (on the GPU, after `pip install --no-build-isolation .`):
   python3 bench/side_by_side.py --out bench/results/h200/side_by_side.json --plots bench/results/h200
