@@ -5,7 +5,8 @@
                    (token, k), permute to expert-major, grouped GEMMs (torch._grouped_mm on CUDA),
                    the reverse path, score-weighted sum over k.
   ours_local_a2a   the same communication, with the local experts on our single-GPU kernels
-                   (smoe_torch.moe_routed: every received row is a "token" routed to one expert).
+                   (smoe_torch.moe_routed: every received row is a "token" routed to one expert;
+                   gate / up as two tensors; the runs up to f0ce1bd stacked them every step).
   ours_ep          smoe's EP layer (smoe_torch.ep.ep_moe): the same router in torch, then dispatch by
                    NVLink stores into symmetric windows (NCCL device API), the local experts on our
                    kernels over the received tokens, combine; no host sync, no permutation copy.
@@ -205,8 +206,9 @@ def bench(args):
         El = w1.shape[0]
         ids = torch.repeat_interleave(torch.arange(El, device=xr.device, dtype=torch.int32),
                                       torch.tensor(counts, device=xr.device)).unsqueeze(1)
-        w1i = torch.stack((w1, w3), dim=2).reshape(El, 2 * w1.shape[1], w1.shape[2])
-        return smoe_torch.moe_routed(xr, w1i, w2, ids, torch.ones_like(ids, dtype=torch.float32), validate=False)
+        # gate / up as torchtitan's two tensors (MoEWeights::w3): no per-step stack of the weights
+        return smoe_torch.moe_routed(xr, w1, w2, ids, torch.ones_like(ids, dtype=torch.float32), validate=False,
+                                     w3=w3)
 
     systems = {"torchtitan_a2a": swiglu_experts_grouped_mm, "ours_local_a2a": ours_fn}
     configs = json.load(open(args.configs))
