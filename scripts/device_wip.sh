@@ -7,7 +7,8 @@
 #   4. gate/up as two tensors: bench_layer stage times with SMOE_BENCH_GATE_UP=two (MoEWeights::w3)
 #      against the interleaved layout, on WIP_CONFIGS;
 #   5. torch: pip install . (the extension with the patches) and pytest tests/python;
-#   6. module: bench/module_vs_op.py (the torch module's time against the bare op), after torch.
+#   6. module: bench/module_vs_op.py (the torch module's time against the bare op), after torch;
+#   dw: bench_layer's dW1 / dW2 stage times with SMOE_DW_PATH=engine, then =cutlass (WIP_DW_CONFIGS).
 # WIP_STEPS (default "tests bench torch") picks steps 3-5, e.g. two calls: "tests bench", then "torch"
 # (a warm machine keeps build-device/; the patches apply again without harm: already-applied ones
 # are skipped). Logs to $OUT and $OUT/device_wip.tgz. Nothing is committed: land a patch only if its
@@ -41,6 +42,14 @@ if has bench && [ -x build-device/bench_layer ]; then
     echo "== $mode"; grep -oE "^[^ ].*|up_proj=[0-9.]+|dA_proj=[0-9.]+|dW1=[0-9.]+|dX_proj=[0-9.]+" "$OUT/wip_bench_$mode.log" | head -40
   done
   unset SMOE_BENCH_GATE_UP
+fi
+if has dw && [ -x build-device/bench_layer ]; then  # the weight-gradient path: engine vs CUTLASS
+  for path in engine cutlass; do
+    SMOE_DW_PATH=$path timeout 200 build-device/bench_layer --only "${WIP_DW_CONFIGS:-$CONFIGS}" --warmup 2 --reps 5 \
+      >"$OUT/wip_dw_$path.log" 2>&1
+    echo "== SMOE_DW_PATH=$path"
+    sed -n '/^per-stage/,$p' "$OUT/wip_dw_$path.log" | sed -E 's/ +fwd\.[^ ]+//g; s/ +bwd\.(dA_proj|router_bwd|dX_proj|dx_sum)=[^ ]+//g'
+  done
 fi
 if has torch; then
   timeout 300 python3 -m pip install --no-build-isolation --no-deps -q . >"$OUT/wip_pip.log" 2>&1
