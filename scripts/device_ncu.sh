@@ -6,7 +6,8 @@
 # one line per kernel. Usage (device tool, kind nvidia-h200):
 #   NCU_CONFIGS='OLMoE-7B,Qwen3-235B' bash scripts/device_ncu.sh
 # Env: NCU_CONFIGS (default OLMoE-7B), NCU_TIMEOUT (s per config, 240), NCU_ENV (extra VAR=value
-# words for the run, e.g. 'SMOE_DW_PATH=engine'). Logs and CSVs to $OUT and $OUT/device_ncu.tgz.
+# words for the run, e.g. 'SMOE_DW_PATH=engine'), NCU_LAUNCHES (kernels profiled per config, 60).
+# Logs and CSVs to $OUT and $OUT/device_ncu.tgz.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -21,7 +22,8 @@ for cfg in "${cfgs[@]}"; do
   tag=$(echo "$cfg" | tr -c 'A-Za-z0-9.\n-' '_')
   t0=$(date +%s)
   env ${NCU_ENV:-} timeout "${NCU_TIMEOUT:-240}" ncu -f -o "$REP/ncu_$tag" --section SpeedOfLight --section WarpStateStats \
-    --section Occupancy build-device/bench_layer --only "$cfg" --warmup 0 --reps 1 >"$OUT/ncu_$tag.log" 2>&1
+    --section Occupancy --launch-count "${NCU_LAUNCHES:-60}" build-device/bench_layer --only "$cfg" --warmup 0 --reps 1 \
+    >"$OUT/ncu_$tag.log" 2>&1
   echo "== $cfg: ncu rc=$? $(( $(date +%s) - t0 ))s"
   # The raw page: every collected metric as a column, one row per kernel (bench/ncu_summary.py).
   ncu --import "$REP/ncu_$tag.ncu-rep" --csv --page raw >"$OUT/ncu_$tag.csv" 2>>"$OUT/ncu_$tag.log"
