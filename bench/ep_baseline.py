@@ -7,6 +7,8 @@
   ours_local_a2a   the same communication, with the local experts on our single-GPU kernels
                    (smoe_torch.moe_routed: every received row is a "token" routed to one expert;
                    gate / up as two tensors; the runs up to f0ce1bd stacked them every step).
+Runs up to f0ce1bd also handed both baselines' expert functions their per-expert counts as a host
+list (one more device-to-host sync per forward, after the split sizes' own); now a device tensor.
   ours_ep          smoe's EP layer (smoe_torch.ep.ep_moe): the same router in torch, then dispatch by
                    NVLink stores into symmetric windows (NCCL device API), the local experts on our
                    kernels over the received tokens, combine; no host sync, no permutation copy.
@@ -30,9 +32,10 @@ from torch.distributed.nn.functional import all_to_all_single
 
 
 def swiglu_experts_loop(x, w1, w3, w2, counts):
-    """Grouped SwiGLU experts on expert-major rows (counts per expert): a loop (CPU, references)."""
+    """Grouped SwiGLU experts on expert-major rows (counts: [El] rows per expert, a tensor): a loop (CPU,
+    references)."""
     out, o = [], 0
-    for e, c in enumerate(counts):
+    for e, c in enumerate(counts.tolist()):
         xe = x[o:o + c]
         out.append((F.silu(xe @ w1[e].T) * (xe @ w3[e].T)) @ w2[e].T)
         o += c
@@ -40,8 +43,9 @@ def swiglu_experts_loop(x, w1, w3, w2, counts):
 
 
 def swiglu_experts_grouped_mm(x, w1, w3, w2, counts):
-    """The same with torch._grouped_mm (CUDA, bf16): offsets are the cumulative row counts."""
-    offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+    """The same with torch._grouped_mm (CUDA, bf16): offsets are the cumulative row counts, on the device
+    (no host sync: torchtitan keeps its per-expert counts on the device too)."""
+    offs = counts.cumsum(0).to(torch.int32)
     g = torch._grouped_mm(x, w1.transpose(1, 2), offs=offs)
     u = torch._grouped_mm(x, w3.transpose(1, 2), offs=offs)
     return torch._grouped_mm(F.silu(g) * u, w2.transpose(1, 2), offs=offs)
@@ -86,7 +90,7 @@ def ep_moe(x, wr, w1, w3, w2, K, E, group, experts_fn, route_fn=None):
     j = torch.arange(n_recv, device=x.device)
     dpos = dst_off.reshape(-1)[block] + j - src_off.reshape(-1)[block]
     perm = torch.empty_like(j).index_copy_(0, dpos, j)
-    y = experts_fn(recv[perm], w1, w3, w2, rc.sum(0).tolist())
+    y = experts_fn(recv[perm], w1, w3, w2, rc.sum(0))   # [El] rows per local expert, on the device
     back = torch.empty_like(y)
     back = back.index_copy(0, perm, y) if y.shape[0] else y
     ret = all_to_all_single(x.new_empty(rows.shape[0], d), back, send_split, recv_split, group=group)
@@ -204,8 +208,8 @@ def bench(args):
 
     def ours_fn(xr, w1, w3, w2, counts):
         El = w1.shape[0]
-        ids = torch.repeat_interleave(torch.arange(El, device=xr.device, dtype=torch.int32),
-                                      torch.tensor(counts, device=xr.device)).unsqueeze(1)
+        ids = torch.repeat_interleave(torch.arange(El, device=xr.device, dtype=torch.int32), counts,
+                                      output_size=xr.shape[0]).unsqueeze(1)
         # gate / up as torchtitan's two tensors (MoEWeights::w3): no per-step stack of the weights
         return smoe_torch.moe_routed(xr, w1, w2, ids, torch.ones_like(ids, dtype=torch.float32), validate=False,
                                      w3=w3)
