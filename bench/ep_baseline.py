@@ -183,6 +183,29 @@ def check_ours_ep(group, rank, T, d, n, E, K, tol):
     return all(v < tol for v in errs.values())
 
 
+def gpu_busy(fn, steps=3, label=""):
+    """Kernel time per call of fn (torch.profiler, CUDA activity: the sum of every kernel's and copy's
+    device time over `steps` calls, / steps), max over ranks. Against the CUDA-event time of timed()
+    it separates what the kernels take from what the step waits for: host launches, host syncs, a
+    peer's kernel. Rank 0 prints its top kernels."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    evs = prof.key_averages()
+    busy = sum(e.self_device_time_total for e in evs) / 1e3 / steps
+    if dist.get_rank() == 0:
+        print(f"PROFILE {label}: {busy:.3f} ms of kernels per call (rank 0)\n"
+              + evs.table(sort_by="self_device_time_total", row_limit=12), flush=True)
+    t = torch.tensor([busy], device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
 def timed(fn, warmup, reps):
     for _ in range(warmup):
         fn()
@@ -248,6 +271,14 @@ def bench(args):
                 flops = T * K * d * n   # per rank
                 entry["systems"][name] = {"fwd_ms": f_ms, "bwd_ms": fb_ms - f_ms, "fwd_tflops": 6 * flops / f_ms / 1e9,
                                           "bwd_tflops": 12 * flops / (fb_ms - f_ms) / 1e9, "correct": oks[name]}
+                if args.profile:   # kernel time per call, next to the event time above (never fatal)
+                    tag = f"{c['name']} {name}"
+                    try:
+                        entry["systems"][name]["fwd_kernel_ms"] = gpu_busy(run, label=tag + " fwd")
+                        entry["systems"][name]["fwd_bwd_kernel_ms"] = gpu_busy(lambda: run().backward(dout),
+                                                                               label=tag + " fwd+bwd")
+                    except Exception as ex:  # noqa: BLE001
+                        entry["systems"][name]["profile_error"] = str(ex)[:300]
             except Exception as ex:  # a system that cannot run keeps an entry with the reason
                 entry["systems"][name] = {"error": str(ex)[:300]}
         if group is not None:
@@ -297,6 +328,8 @@ def main():
     p.add_argument("--out", default="")
     p.add_argument("--systems", default="torchtitan_a2a,ours_local_a2a,ours_ep")
     p.add_argument("--cpu-check", action="store_true")
+    p.add_argument("--profile", action="store_true",
+                   help="also the kernel time per call (torch.profiler): what the event time spends waiting")
     args = p.parse_args()
     if args.cpu_check:
         import torch.multiprocessing as mp

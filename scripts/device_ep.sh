@@ -4,7 +4,8 @@
 # Steps (EP_STEPS, default "build test comm torch train"):
 #   build   cmake build in build-device/ (all cores)       test   test_ep (C++, 2 GPUs)
 #   comm    ep_comm_bench: dispatch / combine bandwidth    torch  pip install . + tests/python/test_ep.py
-#   train   examples/ep_train under torchrun (EP = 2)      bench  bench/ep_baseline.py (EP_CONFIGS, EP_SYSTEMS)
+#   train   examples/ep_train under torchrun (EP = 2)      bench  bench/ep_baseline.py (EP_CONFIGS, EP_SYSTEMS;
+#           EP_PROFILE=1 adds each system's kernel time per call, torch.profiler, and its top kernels to the log)
 #   pkb     issue 12: bench/pkb_ep.py at every world size in PKB_SIZES (default 1 2 4 8, those the
 #           machine has) and scaling mode in PKB_SCALING (default strong weak), then
 #           bench/pkb_report.py -> $OUT/ep_scaling.{json,md,png}; PKB_SEEDS (2), PKB_TIMEOUT (300 s a run)
@@ -48,7 +49,8 @@ fi
 has train && { step train 200 torchrun --nproc_per_node 2 examples/ep_train/ep_train.py --steps 100; grep -vE "Warning|\*\*\*\*" "$OUT/ep_train.log" | tail -14; }
 if has bench; then
   SMOE_COMMIT=$COMMIT step bench "${EP_BENCH_TIMEOUT:-500}" torchrun --nproc_per_node 2 bench/ep_baseline.py --warmup "${EP_WARMUP:-2}" --reps "${EP_REPS:-7}" \
-    ${EP_CONFIGS:+--only "$EP_CONFIGS"} --systems "${EP_SYSTEMS:-torchtitan_a2a,ours_local_a2a,ours_ep}" --out "$OUT/ep_$COMMIT.json"
+    ${EP_CONFIGS:+--only "$EP_CONFIGS"} --systems "${EP_SYSTEMS:-torchtitan_a2a,ours_local_a2a,ours_ep}" --out "$OUT/ep_$COMMIT.json" \
+    ${EP_PROFILE:+--profile}
   grep -E "^RESULT" "$OUT/ep_bench.log" | cut -c1-400
 fi
 if has pkb; then
