@@ -114,6 +114,17 @@ def main():
         frs = f"{fr['fwd']:.0%} / {fr['bwd']:.0%} / {fr['total']:.0%}" if fr else "-"
         lines.append(f"| {e['config']['name']} | {fmt(o)} | {fmt(s['torchtitan_a2a'])} | {fmt(s['ours_local_a2a'])} | "
                      f"{sp} | {rl['fwd_ms']:.2f} / {rl['bwd_ms']:.2f} | {frs} |")
+    # With bench/ep_baseline.py --profile: the kernels' time per call next to the event time. Where
+    # the event time is far above it, the step waits on the host (launches, syncs) or on a peer.
+    prof = [(e["config"]["name"], sname, v) for e in results for sname, v in e["systems"].items()
+            if isinstance(v, dict) and "fwd_kernel_ms" in v]
+    if prof:
+        lines += ["", "Kernel time per call (torch.profiler, max over ranks) against the event time:", "",
+                  "| config | system | fwd event / kernels ms | fwd+bwd event / kernels ms | commit |",
+                  "|---|---|---|---|---|"]
+        for name, sname, v in prof:
+            lines.append(f"| {name} | {sname} | {v['fwd_ms']:.2f} / {v['fwd_kernel_ms']:.2f} | "
+                         f"{v['fwd_ms'] + v['bwd_ms']:.2f} / {v['fwd_bwd_kernel_ms']:.2f} | {v.get('commit', '?')} |")
     open(args.out + ".md", "w").write("\n".join(lines) + "\n")
 
     try:
