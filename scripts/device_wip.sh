@@ -27,6 +27,14 @@ for p in ${WIP_PATCHES:-docs/wip/*.patch}; do
   elif git apply "$p" 2>/dev/null || patch -p1 --forward --silent < "$p"; then echo "applied $p"
   else echo "FAILED to apply $p"; fi
 done
+# The torch extension's own CMake build (build-torch/, pip) runs next to the C++ build: the two
+# share no objects (static vs shared cudart), and together they fill the cores that one build's
+# serial tail leaves idle (on a fresh machine the torch step is otherwise ~150 s after the build).
+pip_pid=""
+if has torch; then
+  (timeout 400 python3 -m pip install --no-build-isolation --no-deps -q . >"$OUT/wip_pip.log" 2>&1; echo $? >"$OUT/wip_pip.rc") &
+  pip_pid=$!
+fi
 STEPS=none bash scripts/device_check.sh 2>&1 | grep -E "build:|error" | head -20
 [ -x build-device/test_gpu ] || { echo "no test binary: build failed"; exit 1; }
 if has tests; then
@@ -35,6 +43,8 @@ if has tests; then
   echo "tests rc=$?"
   grep -E "^\[  (PASSED|FAILED)|^\[  FAILED|Failure|Expected|Which is" "$OUT/wip_tests.log" | head -40
 fi
+# No timing while the torch build still compiles next to it (host load perturbs launch-bound stages).
+[ -n "$pip_pid" ] && { has bench || has dw; } && wait "$pip_pid"
 CONFIGS="${WIP_CONFIGS:-1.4B n256 E128 K8,30B n256 E256 K16,OLMoE-7B,Qwen3-235B,DeepSeek-V3.2}"
 if has bench && [ -x build-device/bench_layer ]; then
   for mode in interleaved two; do
@@ -54,8 +64,8 @@ if has dw && [ -x build-device/bench_layer ]; then  # the weight-gradient path: 
   done
 fi
 if has torch; then
-  timeout 300 python3 -m pip install --no-build-isolation --no-deps -q . >"$OUT/wip_pip.log" 2>&1
-  echo "pip rc=$?"
+  wait "$pip_pid" 2>/dev/null
+  echo "pip rc=$(cat "$OUT/wip_pip.rc" 2>/dev/null || echo '?')"
   (cd /tmp && timeout 200 python3 -m pytest -q "$ROOT/tests/python" -p no:cacheprovider) >"$OUT/wip_pytest.log" 2>&1
   echo "pytest rc=$?"; tail -3 "$OUT/wip_pytest.log"; grep -E "^FAILED|Error" "$OUT/wip_pytest.log" | head -10
 fi
