@@ -34,6 +34,11 @@ step() {  # name timeout command...
   echo "$name rc=$rc $(( $(date +%s) - t0 ))s"
   return $rc
 }
+pip_pid=""
+if has build && has torch; then  # the torch extension's build next to the C++ one (device_wip.sh does the same)
+  (step pip 400 python3 -m pip install --no-build-isolation --no-deps -q .) &
+  pip_pid=$!
+fi
 if has build; then
   STEPS=none bash scripts/device_check.sh >/dev/null 2>&1
   ls build-device/test_ep build-device/ep_comm_bench >/dev/null 2>&1 || { echo "build failed"; grep -E "error" out/build.log | head; }
@@ -41,9 +46,12 @@ fi
 has test && { step test 200 build-device/test_ep; grep -E "PASSED|FAILED|Failure|error" "$OUT/ep_test.log" | head -20; }
 has sanitize && { step sanitize 300 compute-sanitizer --tool memcheck --error-exitcode 9 build-device/test_ep \
   --gtest_filter='GpuEp.RandomRoutingUnevenRanks:GpuEp.RoundtripIsRanksTimesX'; grep -E "ERROR SUMMARY|PASSED|FAILED" "$OUT/ep_sanitize.log" | head; }
+# No timing while the torch build still compiles next to it.
+[ -n "$pip_pid" ] && { wait "$pip_pid"; pip_pid=""; }
 has comm && { step comm 200 build-device/ep_comm_bench --reps 20 --out "$OUT/ep_comm_$COMMIT.json"; tail -20 "$OUT/ep_comm.log"; }
 if has torch; then
-  step pip 300 python3 -m pip install --no-build-isolation --no-deps -q .
+  # Built next to the C++ build when both steps ran (waited for above); otherwise here.
+  [ -f "$OUT/ep_pip.log" ] || step pip 300 python3 -m pip install --no-build-isolation --no-deps -q .
   (cd /tmp && step pytest 300 python3 -m pytest -q "$ROOT/tests/python/test_ep.py" -p no:cacheprovider); tail -5 "$OUT/ep_pytest.log"
 fi
 has train && { step train 200 torchrun --nproc_per_node 2 examples/ep_train/ep_train.py --steps 100; grep -vE "Warning|\*\*\*\*" "$OUT/ep_train.log" | tail -14; }
