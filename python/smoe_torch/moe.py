@@ -5,7 +5,8 @@ torchtitan's MoE keeps `router.gate.weight` [E, d], `experts.w1` (gate) [E, n, d
 The kernels take gate and up interleaved by row ([E, 2n, d], row 2j gate j, row 2j+1 up j). The
 parameters w1 and w3 are allocated as the two halves of one [E, n, 2, d] storage (packing.py), so
 that operand is a view of them: no per-step copy of the expert weights when they are bf16. Cast
-from fp32, sharded (FSDP2 / DTensor) or replaced by hand, they fall back to one stack per step.
+from fp32, sharded (FSDP2 / DTensor) or replaced by hand, they go to the kernels as two tensors
+(the ops' w3), still without a stack; only the EP path stacks them once per step.
 """
 import torch
 import torch.nn as nn

@@ -7,10 +7,12 @@ torchtitan stores the two as separate parameters w1 (gate) and w3 (up), each [..
 modules here keep those names, shapes and state-dict keys, but allocate both parameters as views
 of one [..., h, 2, d] storage (`pack_pair_`). `interleaved_pair(w1, w3)` then returns the
 [..., 2h, d] kernel operand over that same memory, with no copy, and its backward hands each
-parameter its strided half of the kernel's gradient (one copy at most, when autograd accumulates
-it). Whenever the two are not in that layout (another dtype to cast to, FSDP / DTensor shards, a
-parameter replaced by hand, torch.compile tracing), it falls back to the copy (torch.stack), with
-the same values and gradients.
+parameter its strided half of the kernel's gradient (which autograd's AccumulateGrad copies once:
+it keeps a gradient of a non-dense parameter only if it is contiguous). Whenever the two are not in
+that layout (another dtype to cast to, FSDP / DTensor shards, a parameter replaced by hand,
+torch.compile tracing), `gate_up_operands` hands the kernels the two tensors as they are (gate/up
+as two tensors, no stack); `interleaved_pair` (the EP path) stacks them, with the same values and
+gradients.
 
 The layout survives `.to()` / `.cuda()` / `to_empty()` (the modules re-pack in `_apply`),
 `load_state_dict` (in-place copies keep it; `assign=True` is re-packed by a post hook) and
@@ -62,12 +64,17 @@ class _InterleavedView(torch.autograd.Function):
         return g[..., 0, :], g[..., 1, :]
 
 
+def _viewable(w1, w3, dtype):
+    """The pair can be read as the interleaved operand in place: packed, already in dtype, eager."""
+    return w1.dtype == dtype and not torch.compiler.is_compiling() and is_packed_pair(w1, w3)
+
+
 def interleaved_pair(w1, w3, dtype):
     """The kernels' [..., 2h, d] operand (gate row j at 2j, up row j at 2j + 1) in `dtype`.
 
     A view of the parameters' memory when they are packed (`pack_pair_`) and already in `dtype`;
     otherwise a copy, as torch.stack would make it. Gradients flow to w1 and w3 either way."""
-    if w1.dtype == dtype and not torch.compiler.is_compiling() and is_packed_pair(w1, w3):
+    if _viewable(w1, w3, dtype):
         return _InterleavedView.apply(w1, w3)
     return torch.stack((w1.to(dtype), w3.to(dtype)), dim=-2).flatten(-3, -2)
 
@@ -129,7 +136,7 @@ class PackedGateUp(torch.nn.Module):
         packed, else the two tensors themselves (cast to dtype, contiguous), which the kernels read
         as gate/up halves (MoEWeights::w3)."""
         w1, w3 = self._gate_up()
-        if w1.dtype == dtype and not torch.compiler.is_compiling() and is_packed_pair(w1, w3):
+        if _viewable(w1, w3, dtype):
             return _InterleavedView.apply(w1, w3), None
         return w1.to(dtype).contiguous(), w3.to(dtype).contiguous()
 
