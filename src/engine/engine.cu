@@ -176,8 +176,6 @@ Choice choose_varlen_m(const VarlenMArgs& a, int sm_count) {
   const bool big_weights = weight_bytes > kClusterMinWeightBytes && a.rows >= int64_t{kClusterMinRowsPerExpert} * a.num_experts;
   const int fc = forced_cluster();
   int cluster = fc ? fc : big_weights ? 2 : 1;
-  // Gate/up halves from two K-major tensors load without multicast (gemm_launch.cuh).
-  if (a.B2 != nullptr && a.b_major == WeightMajor::kNK) cluster = 1;
   const char* name = varlen_m_label(a.epilogue, a.b_major, pp, cluster, bn);
   if (name == nullptr && cluster != 1) {  // no clustered twin of this tile / schedule
     cluster = 1;

@@ -15,7 +15,8 @@
 // Gate/up as two tensors (B2 non-null; docs/engine.md "Two-tensor gate/up weights"):
 //   up-proj   B = w1 (gate) [E][n][d], B2 = w3 (up) [E][n][d]: an N-tile of BN columns takes BN/2
 //             gate rows and the same BN/2 up rows (two TMA boxes); H is stored in halves
-//             ([rows][2n]: gate in columns [0, n), up in [n, 2n)). Cluster 1 only.
+//             ([rows][2n]: gate in columns [0, n), up in [n, 2n)); in a cluster each CTA
+//             loads and multicasts its part of both boxes.
 //   dA'       halves = true: H and dH in that halves layout.
 //   dX~       B = w1 [E][n][d], B2 = w3 [E][n][d] kKN: K = 2n, K-tiles below n from B, the rest
 //             from B2 (dH in halves layout).

@@ -149,7 +149,51 @@ struct EpiStore : WithoutPrefetch<EpiStore> {
 // Transposed store (varlen-K only): the kernel's D'(m, n) of expert e goes to D[e][n][m], with D
 // [E][N][M]; tile row0 = e * M + m0 (as for EpiStore). Used when the gathered operand is the
 // output's column dimension (dW1 = dH^T x[gather]): computing its transpose keeps the gathered
-// operand the narrow (128-row) one. 2-byte stores, once per tile after a full-length reduction.
+// operand the narrow (128-row) one.
+//
+// Stored m runs are contiguous in D, but in the accumulator a column's 16 rows of a warp sit in 8
+// lanes (m = m_w + lane / 4 + 8 h): 2-byte stores, 16 bytes per column and half-row, half of each
+// 32-byte sector (the dW1 output is E * 2n * d elements, 15 GB at DeepSeek-V3.2's size). So the
+// 8 lanes that share lane % 4 = c transpose an 8 x 8 block of bf16 first: lane a = lane / 4 holds
+// e[k] = acc(8 J + k), k = 4 jj + 2 h + q, i.e. (m = m_w + a + 8 h, n = 8 (2 J + jj) + 2 c + q);
+// three butterfly stages (lanes xor 4, 8, 16) swap bit s of k with bit s of a, after which lane a
+// holds chunk k = a: column n = 8 (2 J + (a >> 2)) + 2 c + (a & 1), rows m_w + 8 ((a >> 1) & 1)
+// + 0..7 in order. One 16-byte store per lane per 16 columns, full sectors (the two halves of a
+// sector, h = 0 / 1, from lanes a and a ^ 2 of the same instruction).
+// 6 shuffles per 8 values; every lane shuffles (full masks), only the stores are predicated.
+__device__ __forceinline__ void octet_transpose_bf16(uint32_t (&w)[4]) {
+  const int a = static_cast<int>(threadIdx.x & 31) >> 2;
+  // Stage 0 (lane ^ 4): swap the 16-bit halves' bit (k bit 0) with a bit 0. Two words per shuffle.
+  const bool a0 = a & 1;
+  CUTE_UNROLL
+  for (int i = 0; i < 4; i += 2) {
+    // a0 = 0 keeps the low halves and sends the high ones; a0 = 1 the reverse.
+    const uint32_t send = a0 ? __byte_perm(w[i], w[i + 1], 0x5410) : __byte_perm(w[i], w[i + 1], 0x7632);
+    const uint32_t recv = __shfl_xor_sync(0xffffffffu, send, 4);
+    if (a0) {
+      w[i] = __byte_perm(recv, w[i], 0x7610);          // (partner's hi of w[i], my hi of w[i])
+      w[i + 1] = __byte_perm(recv, w[i + 1], 0x7632);  // (partner's hi of w[i + 1], my hi)
+    } else {
+      w[i] = __byte_perm(w[i], recv, 0x5410);          // (my lo of w[i], partner's lo of w[i])
+      w[i + 1] = __byte_perm(w[i + 1], recv, 0x7610);  // (my lo of w[i + 1], partner's lo of w[i + 1])
+    }
+  }
+  // Stage 1 (lane ^ 8): word bit 0 (k bit 1) with a bit 1.
+  const bool a1 = a & 2;
+  CUTE_UNROLL
+  for (int i = 0; i < 4; i += 2) {
+    const uint32_t recv = __shfl_xor_sync(0xffffffffu, a1 ? w[i] : w[i + 1], 8);
+    if (a1) w[i] = recv; else w[i + 1] = recv;
+  }
+  // Stage 2 (lane ^ 16): word bit 1 (k bit 2) with a bit 2.
+  const bool a2 = a & 4;
+  CUTE_UNROLL
+  for (int i = 0; i < 2; ++i) {
+    const uint32_t recv = __shfl_xor_sync(0xffffffffu, a2 ? w[i] : w[i + 2], 16);
+    if (a2) w[i] = recv; else w[i + 2] = recv;
+  }
+}
+
 struct EpiStoreT : WithoutPrefetch<EpiStoreT> {
   using WithoutPrefetch<EpiStoreT>::apply;
   struct Params {
@@ -159,19 +203,25 @@ struct EpiStoreT : WithoutPrefetch<EpiStoreT> {
   };
   template <class Accum, class Coords>
   __device__ static void apply(const Params& p, const Accum& acc, const Coords& cd, const TileCtx& t) {
+    constexpr int G = acc_col_groups<Accum>();
+    static_assert(G % 2 == 0, "transposed store: 16 columns (two groups) per octet transpose");
     const AccPos pos(cd);
+    const int a = static_cast<int>(threadIdx.x & 31) >> 2;
+    const int q = a & 1, h = (a >> 1) & 1, jj = a >> 2;  // this lane's chunk after the transpose
+    const int m_w = pos.m0 - a;                          // the warp's first row in the tile
+    const bool row_ok = m_w + 8 * h < t.rows;            // t.rows % 8 == 0 (M % 64 == 0)
     const int64_t e = t.row0 / p.M, m0 = t.row0 - e * p.M;
-    bf16* base = p.D + e * p.M * p.N + static_cast<int64_t>(t.col0 + pos.n0) * p.M + m0 + pos.m0;
+    // Column of J = 0: 8 jj + pos.n0 + q (pos.n0 = 2 (lane % 4)); + 16 J per step.
+    bf16* out = p.D + e * p.M * p.N + static_cast<int64_t>(t.col0 + 8 * jj + pos.n0 + q) * p.M + m0 + m_w + 8 * h;
     CUTE_UNROLL
-    for (int h = 0; h < 2; ++h) {
-      if (!pos.row_ok(t, h)) continue;
+    for (int J = 0; J < G / 2; ++J) {
+      uint32_t w[4];
       CUTE_UNROLL
-      for (int j = 0; j < acc_col_groups<Accum>(); ++j) {
-        if (!AccPos::col_ok(t, j)) continue;
-        CUTE_UNROLL
-        for (int q = 0; q < 2; ++q)
-          base[(8 * j + q) * p.M + 8 * h] = t.zero ? __float2bfloat16_rn(0.f) : __float2bfloat16_rn(acc(4 * j + 2 * h + q));
-      }
+      for (int i = 0; i < 4; ++i)
+        w[i] = t.zero ? 0u : pack_bf16x2(acc(8 * J + 2 * i), acc(8 * J + 2 * i + 1));
+      octet_transpose_bf16(w);
+      if (row_ok && AccPos::col_ok(t, 2 * J + jj))
+        *reinterpret_cast<uint4*>(out + static_cast<int64_t>(16 * J) * p.M) = make_uint4(w[0], w[1], w[2], w[3]);
     }
   }
 };
@@ -374,13 +424,16 @@ struct EpiDSwiGLUT {
     const int64_t r = t.row0 + pos.m0 + 8 * h;
     const float s = f.s;
     const int64_t j0 = t.col0 + pos.n0;
-    bf16* dhrow = p.dH + r * 2 * p.ld + (kHalves ? j0 : 2 * j0);  // interleaved: 8 bytes per lane
-    // and group (full sectors); halves: 4 + 4 bytes (gate at column c, up at N + c) per group
+    // dH interleaved: 8 bytes per lane and group, a quad's 32 bytes one full sector. Halves (gate at
+    // column c, up at N + c): 4 + 4 bytes per lane and group would half-fill every sector, so the
+    // gate and up words go through the quad transpose as A' does and leave as 16-byte runs.
+    bf16* dhrow = p.dH + r * 2 * p.ld + (kHalves ? static_cast<int64_t>(t.col0) : 2 * j0);
     bf16* aprow = p.A_prime + r * p.ld + t.col0;  // A': 16-byte stores after the quad transpose
     float ds = 0.f;
     CUTE_UNROLL
     for (int b = 0; b < G / 4; ++b) {
       uint32_t w[4];
+      uint32_t wg[4], wu[4];  // halves: (dg0, dg1) and (du0, du1) of group 4 b + k
       CUTE_UNROLL
       for (int k = 0; k < 4; ++k) {
         const int j = 4 * b + k;
@@ -402,20 +455,27 @@ struct EpiDSwiGLUT {
           dh.h2[qq] = __floats2bfloat162_rn(dA * gu.y * (sig + sl * (1.f - sig)), dA * sl);
           ap[qq] = s * a;
         }
-        if (row_ok && AccPos::col_ok(t, j)) {
-          if constexpr (kHalves) {  // (dg0, dg1) at column c, (du0, du1) at N + c
-            *reinterpret_cast<uint32_t*>(dhrow + 8 * j) = __byte_perm(dh.u.x, dh.u.y, 0x5410);
-            *reinterpret_cast<uint32_t*>(dhrow + p.ld + 8 * j) = __byte_perm(dh.u.x, dh.u.y, 0x7632);
-          } else {
-            *reinterpret_cast<uint2*>(dhrow + 16 * j) = dh.u;
-          }
+        if constexpr (kHalves) {
+          wg[k] = __byte_perm(dh.u.x, dh.u.y, 0x5410);
+          wu[k] = __byte_perm(dh.u.x, dh.u.y, 0x7632);
+        } else if (row_ok && AccPos::col_ok(t, j)) {
+          *reinterpret_cast<uint2*>(dhrow + 16 * j) = dh.u;
         }
         w[k] = pack_bf16x2(ap[0], ap[1]);
       }
       quad_transpose(w);
+      if constexpr (kHalves) {
+        quad_transpose(wg);
+        quad_transpose(wu);
+      }
       const int jq = 4 * b + q;
-      if (row_ok && AccPos::col_ok(t, jq))
+      if (row_ok && AccPos::col_ok(t, jq)) {
         *reinterpret_cast<uint4*>(aprow + 8 * jq) = make_uint4(w[0], w[1], w[2], w[3]);
+        if constexpr (kHalves) {
+          *reinterpret_cast<uint4*>(dhrow + 8 * jq) = make_uint4(wg[0], wg[1], wg[2], wg[3]);
+          *reinterpret_cast<uint4*>(dhrow + p.ld + 8 * jq) = make_uint4(wu[0], wu[1], wu[2], wu[3]);
+        }
+      }
     }
     // The 4 lanes of a quad hold one row: fixed butterfly, lane 0 of the quad writes.
     ds += __shfl_xor_sync(0xffffffffu, ds, 1);

@@ -184,10 +184,11 @@ struct VarlenMKernel {
   }
   using TmaA = decltype(tma_for_a(nullptr, GmemK{}, typename Cfg::SmemLayoutA{}));
   using TmaB = decltype(tma_for_b(nullptr, GmemB{}, typename Cfg::SmemLayoutB{}));
-  // Gate/up as two K-major tensors (up-proj): half-height boxes, BN/2 rows from each (cluster 1).
-  // MN-major B never loads halves (its two tensors split K instead): the full layout stands in.
+  // Gate/up as two K-major tensors (up-proj): half-height boxes, BN/2 rows from each, multicast
+  // like B over a cluster along M (each CTA issues 1/C of each half). MN-major B never loads
+  // halves (its two tensors split K instead): the full layout stands in.
   using SmemLayoutBHalf = typename HalfB<Cfg>::Layout;
-  using TmaBHalf = decltype(tma_for(nullptr, GmemB{}, SmemLayoutBHalf{}));
+  using TmaBHalf = decltype(tma_for_b(nullptr, GmemB{}, SmemLayoutBHalf{}));
 
   struct Params {
     int E, N, K;
@@ -238,8 +239,8 @@ struct VarlenMKernel {
       const auto gl = make_layout(make_shape(p.b_rows, p.b_cols), make_stride(int64_t{K}, _1{}));
       p.tma_b = tma_for_b(b1, gl, typename Cfg::SmemLayoutB{});
       if (two) {
-        p.tma_bh[0] = tma_for(b1, gl, SmemLayoutBHalf{});
-        p.tma_bh[1] = tma_for(b2, gl, SmemLayoutBHalf{});
+        p.tma_bh[0] = tma_for_b(b1, gl, SmemLayoutBHalf{});
+        p.tma_bh[1] = tma_for_b(b2, gl, SmemLayoutBHalf{});
         p.b_halves = true;
       }
     } else {

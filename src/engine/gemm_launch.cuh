@@ -28,10 +28,6 @@ template <class Cfg, ALoad kALoad, class Epi>
 Status run_varlen_m(const VarlenMArgs& a, int sm_count, cudaStream_t stream, const char* name) {
   using K = VarlenMKernel<Cfg, kALoad, Epi>;  // varlen_m (engine.cu) returned already if rows == 0
   const int n_tiles = (a.N + Cfg::BN - 1) / Cfg::BN;
-  // Gate/up halves of a K-major B load BN/2 rows from each tensor without a cluster's multicast.
-  if (a.B2 != nullptr && Cfg::kMajorB == GMMA::Major::K && Cfg::kClusterM > 1)
-    return detail::make_status(StatusCode::kNotImplemented,
-                               detail::concat(name, ": gate/up as two tensors runs without a cluster"));
   const auto p = K::make_params(a.num_experts, a.N, a.K, a.A, static_cast<int>(a.a_rows), a.gather_idx,
                                 a.B, a.B2, a.expert_offset, epi_params(static_cast<Epi*>(nullptr), a, n_tiles));
   // Units: sum_e ceil(m_e / (C BM)) <= rows / (C BM) + E, times the column tiles; along N, M-tiles
@@ -75,9 +71,7 @@ template <int BN, Sched S, int C>
 struct Instance<Kind::up_swiglu, BN, S, C> {  // gathered x, W1 K-major, SwiGLU epilogue
   static Status run(const VarlenMArgs& a, int sms, cudaStream_t s, const char* name) {
     using Cfg = VarlenMConfig<BN, GMMA::Major::K, S, C>;
-    if constexpr (C == 1) {  // gate/up as two tensors (halves): cluster 1 only (engine.cu)
-      if (a.halves) return run_varlen_m<Cfg, ALoad::kGather, EpiSwiGLUT<true>>(a, sms, s, name);
-    }
+    if (a.halves) return run_varlen_m<Cfg, ALoad::kGather, EpiSwiGLUT<true>>(a, sms, s, name);  // two tensors
     return run_varlen_m<Cfg, ALoad::kGather, EpiSwiGLU>(a, sms, s, name);
   }
 };

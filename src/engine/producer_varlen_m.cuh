@@ -44,17 +44,23 @@ struct ProducerVarlenM {
       if (p.b_halves) {
         // Gate/up as two tensors [E][N/2][K]: the stage's rows [0, BN/2) are gate rows j0.. of w1,
         // rows [BN/2, BN) the same rows of w3, so accumulator column c (gate) pairs with c + BN/2
-        // (up) in one thread. Cluster 1 only (engine.cu).
+        // (up) in one thread. In a cluster along M each CTA loads its 1/C of each half and
+        // multicasts it, so every CTA still receives BN x BK per stage (the barrier's bytes).
         constexpr int H = BN / 2;
+        static_assert(H % (8 * kClusterB) == 0, "B halves: whole 8-row swizzle atoms per cluster rank");
         const int j0 = w.n_tile * H;
+        const int b_rank = kClusterB == 1 ? 0 : rank;
         Tensor gB = local_tile(domain_offset(make_coord(w.expert * (p.N / 2) + j0, 0), mB),
                                make_shape(Int<H>{}, Int<BK>{}), make_coord(0, _));
         CUTE_UNROLL
         for (int h = 0; h < 2; ++h) {
           Tensor sBh = local_tile(sB, make_shape(Int<H>{}, Int<BK>{}, Int<kStages>{}), make_coord(h, 0, 0));
-          auto [tBgB, tBsB] = tma_partition(p.tma_bh[h], Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sBh),
+          auto [tBgB, tBsB] = tma_partition(p.tma_bh[h], b_rank, Layout<Int<kClusterB>>{}, group_modes<0, 2>(sBh),
                                             group_modes<0, 2>(gB));
-          copy(p.tma_bh[h].with(bar), tBgB(_, k), tBsB(_, stage));
+          if constexpr (kClusterB == 1)
+            copy(p.tma_bh[h].with(bar), tBgB(_, k), tBsB(_, stage));
+          else
+            copy(p.tma_bh[h].with(bar, static_cast<uint16_t>((1u << kCluster) - 1)), tBgB(_, k), tBsB(_, stage));
         }
         return;
       }

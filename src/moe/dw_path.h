@@ -7,9 +7,12 @@
 //     2.9 vs 4.4, Qwen3-Next 2.3 vs 2.4), ties at n = 1024 and loses above (Qwen3 8.2 vs 7.1,
 //     DeepSeek 23.2 vs 17.3): its gather saves 2*T*K*d*2 bytes, which matters most when K*d/n
 //     is large.
-//   dW1 (M = 2n, N = d): CUTLASS + gather wins everywhere but the smallest shapes (1.4B 0.62 vs
-//     0.68): OLMoE 5.4 vs 4.1, DeepSeek 52.7 vs 31.0. The engine's varlen-K has no epilogue /
-//     mainloop overlap yet and writes the transposed tile with 2-byte stores.
+//   dW1 (M = 2n, N = d, stored transposed): with 16-byte transposed stores (octet transpose, f8f89c9
+//     + docs/wip patches, bench/results/h200/wip_landing_f8f89c9.log) the engine wins at n = 256 for
+//     every d measured (1.4B d 768: 0.617 vs 0.672 ms; 30B n256 d 4096: 5.73 vs 6.10) and loses at
+//     n >= 1024 (OLMoE 5.18 vs 4.02, Qwen3-235B 18.1 vs 12.9, DeepSeek-V3.2 49.2 vs 31.4: its
+//     128-row tiles over 2n re-read x per tile where CUTLASS's wider tiles do not). Before the
+//     16-byte stores the d <= 1024 limit held (30B n256 then lost).
 // SMOE_DW_PATH=engine or =cutlass forces one path for both (comparisons, tests).
 #pragma once
 
@@ -40,7 +43,7 @@ inline DwPath dw1_path(const MoEShape& s) {
   bool forced = false;
   const DwPath f = forced_dw_path(&forced);
   if (forced) return f;
-  return s.n <= 256 && s.d <= 1024 ? DwPath::kEngine : DwPath::kCutlass;
+  return s.n <= 256 ? DwPath::kEngine : DwPath::kCutlass;
 }
 
 }  // namespace layer

@@ -194,6 +194,9 @@ TEST(EngineApi, WeightGradientPath) {
   EXPECT_EQ(smoe::layer::dw1_path(small), DwPath::kEngine);
   EXPECT_EQ(smoe::layer::dw2_path(wide), DwPath::kCutlass);
   EXPECT_EQ(smoe::layer::dw1_path(wide), DwPath::kCutlass);
+  // n = 256 at any d (30B n256: d = 4096) takes the engine's dW1 since its 16-byte stores.
+  EXPECT_EQ(smoe::layer::dw1_path(smoe::MoEShape{32768, 4096, 256, 256, 16}), DwPath::kEngine);
+  EXPECT_EQ(smoe::layer::dw1_path(smoe::MoEShape{32768, 4096, 512, 128, 8}), DwPath::kCutlass);
   setenv("SMOE_DW_PATH", "engine", 1);
   EXPECT_EQ(smoe::layer::dw1_path(wide), DwPath::kEngine);
   setenv("SMOE_DW_PATH", "cutlass", 1);

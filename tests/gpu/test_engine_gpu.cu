@@ -402,7 +402,7 @@ void expect_same(const std::vector<bf16>& got, const std::vector<bf16>& want, si
 // checked against the fp32 twin above) on the same numbers: H, A, dH, A' and dS bitwise the same
 // after the column permutation (each element is the same dot product in the same K order); dX~ sums
 // K in another order (gate block, then up block), so within the bf16 bound. Under the forced
-// instantiation `sched` / `bn` / `cluster` (the up-proj always runs without a cluster).
+// instantiation `sched` / `bn` / `cluster` (cluster 2: the gate and up halves are multicast).
 void run_gate_up_once(const std::vector<int>& counts, int n, int d, const char* sched, const char* bn,
                       const char* cluster) {
   smoe_test::Rng rng;
@@ -461,8 +461,10 @@ void run_gate_up_once(const std::vector<int>& counts, int n, int d, const char* 
   uph.halves = true;
   uph.D = Hh.get();
   uph.D2 = Ah.get();
-  const eng::Choice ch = eng::choose_varlen_m(uph, sms());
-  EXPECT_EQ(ch.cluster, 1) << ch.name;
+  // The same instantiation as the interleaved run: with a cluster, the halves multicast too.
+  const eng::Choice ch = eng::choose_varlen_m(uph, sms()), chi = eng::choose_varlen_m(up, sms());
+  EXPECT_EQ(ch.cluster, chi.cluster) << ch.name << " vs " << chi.name;
+  EXPECT_EQ(ch.bn, chi.bn) << ch.name << " vs " << chi.name;
   st = eng::varlen_m(uph, sms(), 0);
   ASSERT_TRUE(st.ok()) << st.message;
   CUDA_OK(cudaDeviceSynchronize());
@@ -625,6 +627,9 @@ TEST(GpuEngine, VarlenK) {
   run_k({kEdgeCounts, 256, 128, false, true});
   run_k({kEdgeCounts, 64, 64, false, true});
   run_k({kEdgeCounts, 64, 128, true, false});
+  // Q gathered runs transposed (EpiStoreT, octet-transposed 16-byte stores): partial tiles both ways.
+  run_k({kEdgeCounts, 192, 320, false, true});
+  run_k({kEdgeCounts, 320, 192, false, true});
 }
 TEST(GpuEngine, ManyExpertsMostlyEmpty) {
   std::mt19937_64 g(smoe_test::fresh_seed());

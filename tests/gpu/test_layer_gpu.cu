@@ -619,7 +619,7 @@ TEST(GpuLayer, DeterministicBitwise) {
 // same weights: out, A'-derived dW2 and the router gradient bitwise (every element is the same sum
 // in the same order), dw1 / dw3 equal to the interleaved dW1's even / odd rows (tight bound: the
 // same reductions over rows), dx within the bf16 bound (dX~ sums K as gate block then up block).
-// Both dW1 paths: the engine's (n <= 256, d <= 1024) and CUTLASS (n = 320). A backward whose
+// Both dW1 paths: the engine's (n <= 256) and CUTLASS (n = 320). A backward whose
 // layout differs from its forward's is a bad saved state: NaN gradients and the flag.
 TEST(GpuLayer, GateUpTwoTensorsMatchInterleaved) {
   for (const smoe::MoEShape& s : {smoe::MoEShape{1000, 256, 128, 32, 4}, smoe::MoEShape{600, 256, 320, 8, 2}}) {
