@@ -8,8 +8,7 @@
 #      against the interleaved layout, on WIP_CONFIGS;
 #   5. torch: pip install . (the extension with the patches) and pytest tests/python;
 #   6. module: bench/module_vs_op.py (the torch module's time against the bare op), after torch;
-#   dw: bench_layer's dW1 / dW2 stage times with SMOE_DW_PATH=engine (cooperative, then
-#   SMOE_ENGINE_SCHED_K=pingpong), then =cutlass (WIP_DW_CONFIGS).
+#   dw: bench_layer's dW1 / dW2 stage times with SMOE_DW_PATH=engine, then =cutlass (WIP_DW_CONFIGS).
 # WIP_STEPS (default "tests bench torch") picks steps 3-5, e.g. two calls: "tests bench", then "torch"
 # (a warm machine keeps build-device/; the patches apply again without harm: already-applied ones
 # are skipped). Logs to $OUT and $OUT/device_wip.tgz. Nothing is committed: land a patch only if its
@@ -39,7 +38,7 @@ STEPS=none bash scripts/device_check.sh 2>&1 | grep -E "build:|error" | head -20
 [ -x build-device/test_gpu ] || { echo "no test binary: build failed"; exit 1; }
 if has tests; then
   timeout "${WIP_TEST_TIMEOUT:-400}" build-device/test_gpu \
-    --gtest_filter='GpuEngine.*:GpuBadInput.*:GpuLayer.*:GpuLayerRouting.*' >"$OUT/wip_tests.log" 2>&1
+    --gtest_filter="${WIP_TEST_FILTER:-GpuEngine.*:GpuBadInput.*:GpuLayer.*:GpuLayerRouting.*}" >"$OUT/wip_tests.log" 2>&1
   echo "tests rc=$?"
   grep -E "^\[  (PASSED|FAILED)|^\[  FAILED|Failure|Expected|Which is" "$OUT/wip_tests.log" | head -40
 fi
@@ -55,12 +54,11 @@ if has bench && [ -x build-device/bench_layer ]; then
   unset SMOE_BENCH_GATE_UP
 fi
 if has dw && [ -x build-device/bench_layer ]; then  # the weight-gradient path: engine vs CUTLASS
-  for mode in engine engine_pp cutlass; do  # engine_pp: the engine's varlen-K forced ping-pong
-    path=${mode%_pp}; sk=coop; [ "$mode" = engine_pp ] && sk=pingpong
-    SMOE_DW_PATH=$path SMOE_ENGINE_SCHED_K=$sk timeout 200 build-device/bench_layer --only "${WIP_DW_CONFIGS:-$CONFIGS}" \
-      --warmup 2 --reps 5 >"$OUT/wip_dw_$mode.log" 2>&1
-    echo "== SMOE_DW_PATH=$path SMOE_ENGINE_SCHED_K=$sk"
-    sed -n '/^per-stage/,$p' "$OUT/wip_dw_$mode.log" | sed -E 's/ +fwd\.[^ ]+//g; s/ +bwd\.(dA_proj|router_bwd|dX_proj|dx_sum)=[^ ]+//g'
+  for path in engine cutlass; do
+    SMOE_DW_PATH=$path timeout 200 build-device/bench_layer --only "${WIP_DW_CONFIGS:-$CONFIGS}" \
+      --warmup 2 --reps 5 >"$OUT/wip_dw_$path.log" 2>&1
+    echo "== SMOE_DW_PATH=$path"
+    sed -n '/^per-stage/,$p' "$OUT/wip_dw_$path.log" | sed -E 's/ +fwd\.[^ ]+//g; s/ +bwd\.(dA_proj|router_bwd|dX_proj|dx_sum)=[^ ]+//g'
   done
 fi
 if has torch; then

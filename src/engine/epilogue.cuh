@@ -346,7 +346,7 @@ struct EpiDSwiGLUT {
   // H values and score of one of this thread's two rows.
   template <int kGroups>
   struct RowInputs {
-    uint2 h[kGroups];  // (g, u) of columns 8 j + n0, + 1: 8 bytes
+    uint2 h[kGroups];  // (g, u) of columns 8 j + n0, + 1: 8 bytes (halves: raw 16-byte loads, load_row)
     float s;
   };
   template <int kGroups>
@@ -367,15 +367,24 @@ struct EpiDSwiGLUT {
     const int64_t r = t.row0 + pos.m0 + 8 * h;
     f.s = __ldg(p.scores + __ldg(p.scatter + r));
     if constexpr (kHalves) {
-      // (g0, g1) at column c, (u0, u1) at N + c: the same (g, u) pairs per column as interleaved.
-      const uint32_t* grow = reinterpret_cast<const uint32_t*>(p.H + r * 2 * p.ld + t.col0 + pos.n0);
-      const uint32_t* urow = grow + p.ld / 2;
+      // Gate at column c, up at N + c. Lane q loads 16 bytes of each (columns 8 j + 0..7 of group
+      // j = 4 b + q: full sectors, one load per 4 groups, where 4 + 4 bytes per lane and group
+      // half-filled them and took 2x the load instructions); h[4 b + k] keeps word k of both, raw.
+      // apply_row's quad transpose then gives lane q group 4 b + k's columns 8 j + 2 q, + 1, the
+      // accumulator's. Not here: a shuffle would wait for the loads before the mainloop.
+      const int q = static_cast<int>(threadIdx.x) & 3;
+      const bf16* grow = p.H + r * 2 * p.ld + t.col0;
       CUTE_UNROLL
-      for (int j = 0; j < G; ++j)
-        if (AccPos::col_ok(t, j)) {
-          const uint32_t g = __ldg(grow + 4 * j), u = __ldg(urow + 4 * j);
-          f.h[j] = make_uint2(__byte_perm(g, u, 0x5410), __byte_perm(g, u, 0x7632));
-        }
+      for (int b = 0; b < G / 4; ++b) {
+        const int jq = 4 * b + q;
+        if (!AccPos::col_ok(t, jq)) continue;
+        const uint4 g = __ldg(reinterpret_cast<const uint4*>(grow + 8 * jq));
+        const uint4 u = __ldg(reinterpret_cast<const uint4*>(grow + p.ld + 8 * jq));
+        f.h[4 * b + 0] = make_uint2(g.x, u.x);
+        f.h[4 * b + 1] = make_uint2(g.y, u.y);
+        f.h[4 * b + 2] = make_uint2(g.z, u.z);
+        f.h[4 * b + 3] = make_uint2(g.w, u.w);
+      }
       return f;
     }
     const uint2* hrow = reinterpret_cast<const uint2*>(p.H + r * 2 * p.ld + 2 * (t.col0 + pos.n0));
@@ -434,6 +443,16 @@ struct EpiDSwiGLUT {
     for (int b = 0; b < G / 4; ++b) {
       uint32_t w[4];
       uint32_t wg[4], wu[4];  // halves: (dg0, dg1) and (du0, du1) of group 4 b + k
+      uint32_t hg[4], hu[4];  // halves: the raw 16-byte H loads of load_row, to the quad transpose
+      if constexpr (kHalves) {
+        CUTE_UNROLL
+        for (int k = 0; k < 4; ++k) {
+          hg[k] = f.h[4 * b + k].x;
+          hu[k] = f.h[4 * b + k].y;
+        }
+        quad_transpose(hg);
+        quad_transpose(hu);
+      }
       CUTE_UNROLL
       for (int k = 0; k < 4; ++k) {
         const int j = 4 * b + k;
@@ -441,7 +460,10 @@ struct EpiDSwiGLUT {
           uint2 u;
           __nv_bfloat162 h2[2];
         } hv, dh;
-        hv.u = f.h[j];
+        if constexpr (kHalves)
+          hv.u = make_uint2(__byte_perm(hg[k], hu[k], 0x5410), __byte_perm(hg[k], hu[k], 0x7632));
+        else
+          hv.u = f.h[j];
         float ap[2];
         CUTE_UNROLL
         for (int qq = 0; qq < 2; ++qq) {
