@@ -105,6 +105,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", default="")
+    ap.add_argument("--check_only", action="store_true", help="correctness only (CHECK lines), no timing")
     args = ap.parse_args()
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     dist.init_process_group("nccl")
@@ -185,7 +186,11 @@ def main():
                 xt = x_all[tl].clone().requires_grad_(True)   # the reference system on the same data
                 lw = [w[sl].clone().requires_grad_(True) for w in (w1, w3, w2)]
                 rt = ref_layer(xt, wr, *lw, K, E, bias)
-                correct["ref"] &= rel(rt, ref[tl]) < 2e-2
+                ref_err = rel(rt, ref[tl])
+                correct["ref"] &= ref_err < 2e-2
+                # Which check failed, when one does: ours (out, dx, dw1, dw3, dw2) and the reference's out.
+                print("CHECK " + json.dumps(dict(base, rank=rank, seed=seed, ours=[round(e, 5) for e in errs],
+                                                 ref=round(ref_err, 5))), flush=True)
                 idx, _ = route_b(x_all[tl], wr, K, bias)
                 rt_out = sep._ep.roundtrip(group.handle, x_all[tl].contiguous(), idx.int().contiguous())
                 hits = torch.zeros(Tc, device="cuda")
@@ -198,6 +203,11 @@ def main():
                 t_ = torch.tensor([1 if v else 0], device="cuda")
                 dist.all_reduce(t_, op=dist.ReduceOp.MIN)
                 ok_all[k_] = bool(t_.item())
+            if args.check_only:
+                group.close()
+                if rank == 0:
+                    print("CHECKED " + json.dumps(dict(base, **ok_all)), flush=True)
+                continue
             # Timing at T tokens per rank.
             x = torch.randn(T, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
             dout = torch.randn(T, d, device="cuda", dtype=torch.bfloat16)
