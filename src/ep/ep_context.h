@@ -39,12 +39,12 @@ struct EpContext {
 namespace ep {
 
 // Kernel arguments shared by the launches (device pointers into this rank's memory, plus the
-// window for the peers' regions).
+// window for the peers' regions). No host pointer into the window: inside a kernel every access to
+// this rank's own window goes through ncclGetLocalPointer (ep_kernels.cu, "One alias").
 struct EpKernelArgs {
   ncclDevComm dev_comm;
   ncclWindow_t window;
   EpWindowLayout lay;
-  char* local;          // this rank's window base
   int rank, world;
   int64_t T, Tmax;
   int64_t cap;          // receive slots per rank (slots at or past it are not sent)

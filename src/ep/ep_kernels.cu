@@ -10,6 +10,16 @@
 //   * the backward's dispatch starts with a barrier (it has no exchange before it).
 // The grid of dispatch / combine is the same on every rank (EpConfig::comm_blocks), or block b
 // would wait for a peer block that never runs.
+//
+// One alias: NCCL maps the window twice on this GPU, at ncclMemAlloc's address (window_base, what
+// the host and the local layer use) and in the LSA flat range (ncclGetLsaPointer(w, o, rank) ==
+// ncclGetLocalPointer(w, o)). Inside one kernel a store through one and a load through the other
+// are two locations to the memory model: nothing orders them, and at world size 1 (no peer, so no
+// barrier wait, no acquire) exchange read the counts it had just stored through the other alias
+// stale. Dispatch then cleared the metadata of slots it was filling: wrong outputs and gradients
+// on a fresh context (pkb_ep at R = 1, H200, 9eb6a22: relative error 0.98 on the first call). So
+// every kernel here touches its own window only through ncclGetLocalPointer; between kernels
+// (dispatch's stores, the local layer's loads through window_base) the kernel boundary orders them.
 #include <cub/block/block_scan.cuh>
 #include <cuda/atomic>
 
@@ -139,7 +149,7 @@ __global__ void exchange_kernel(EpKernelArgs a, const int32_t* my_counts, int32_
   }
   // After a timeout every count is 0: the later kernels of the call move nothing and index nothing
   // out of range (the call's results are invalid and flagged).
-  const int32_t* mine = reinterpret_cast<const int32_t*>(a.local + a.lay.counts);
+  const int32_t* mine = static_cast<const int32_t*>(ncclGetLocalPointer(a.window, a.lay.counts));
   for (int i = threadIdx.x; i < R * R; i += blockDim.x) all_counts[i] = ok ? mine[i] : 0;
 }
 
@@ -214,8 +224,8 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_kernel(
   // this rank's scores pointer: a rank with T = 0 may pass null scores, and its receive slots still
   // need clearing (the window starts with whatever ncclMemAlloc left there).
   if (write_meta) {
-    int32_t* my_ids = reinterpret_cast<int32_t*>(a.local + a.lay.meta_ids);
-    float* my_sc = reinterpret_cast<float*>(a.local + a.lay.meta_scores);
+    int32_t* my_ids = static_cast<int32_t*>(ncclGetLocalPointer(a.window, a.lay.meta_ids));
+    float* my_sc = static_cast<float*>(ncclGetLocalPointer(a.window, a.lay.meta_scores));
     const int64_t end = a.cap * a.Kl;
     const int64_t used = recv_total < a.cap ? recv_total : a.cap;
     for (int64_t i = used * a.Kl + int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < end;
@@ -284,8 +294,8 @@ __global__ void __launch_bounds__(256) reduce_kernel(EpKernelArgs a, const int32
   const int64_t warp = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   const int64_t nwarps = (int64_t(gridDim.x) * blockDim.x) >> 5;
   const int vpr = a.d / 8;
-  const uint4* comb = reinterpret_cast<const uint4*>(a.local + a.lay.comb);
-  const float* comb_ds = reinterpret_cast<const float*>(a.local + a.lay.comb_ds);
+  const uint4* comb = static_cast<const uint4*>(ncclGetLocalPointer(a.window, a.lay.comb));
+  const float* comb_ds = static_cast<const float*>(ncclGetLocalPointer(a.window, a.lay.comb_ds));
   for (int64_t t = warp; t < a.T; t += nwarps) {
     const uint4* src[kMaxRanks];
     int pos[kMaxRanks];

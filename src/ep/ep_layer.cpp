@@ -116,7 +116,6 @@ ep::EpKernelArgs kernel_args(const EpContext* c, int64_t T, DeviceStatus* status
   a.dev_comm = c->dev_comm;
   a.window = c->window;
   a.lay = c->layout;
-  a.local = static_cast<char*>(c->window_base);
   a.rank = c->rank;
   a.world = c->world;
   a.T = T;
