@@ -6,7 +6,10 @@
 # one line per kernel. Usage (device tool, kind nvidia-h200):
 #   NCU_CONFIGS='OLMoE-7B,Qwen3-235B' bash scripts/device_ncu.sh
 # Env: NCU_CONFIGS (default OLMoE-7B), NCU_TIMEOUT (s per config, 240), NCU_ENV (extra VAR=value
-# words for the run, e.g. 'SMOE_DW_PATH=engine'), NCU_LAUNCHES (kernels profiled per config, 60).
+# words for the run, e.g. 'SMOE_DW_PATH=engine'), NCU_LAUNCHES (kernels profiled per config, 60),
+# NCU_KERNEL (a regex on the kernel name: profile only those, e.g. 'VarlenKKernel'), NCU_SECTIONS
+# (more sections, e.g. 'SchedulerStats MemoryWorkloadAnalysis SourceCounters InstructionStats';
+# their human-readable page goes to ncu_<config>_details.txt).
 # Logs and CSVs to $OUT and $OUT/device_ncu.tgz.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -21,13 +24,17 @@ IFS=',' read -r -a cfgs <<<"${NCU_CONFIGS:-OLMoE-7B}"
 for cfg in "${cfgs[@]}"; do
   tag=$(echo "$cfg" | tr -c 'A-Za-z0-9.\n-' '_')
   t0=$(date +%s)
+  extra=()
+  for sec in ${NCU_SECTIONS:-}; do extra+=(--section "$sec"); done
+  [ -n "${NCU_KERNEL:-}" ] && extra+=(--kernel-name "regex:$NCU_KERNEL")
   env ${NCU_ENV:-} timeout "${NCU_TIMEOUT:-240}" ncu -f -o "$REP/ncu_$tag" --section SpeedOfLight --section WarpStateStats \
-    --section Occupancy --launch-count "${NCU_LAUNCHES:-60}" build-device/bench_layer --only "$cfg" --warmup 0 --reps 1 \
-    >"$OUT/ncu_$tag.log" 2>&1
+    --section Occupancy "${extra[@]}" --launch-count "${NCU_LAUNCHES:-60}" build-device/bench_layer --only "$cfg" \
+    --warmup 0 --reps 1 >"$OUT/ncu_$tag.log" 2>&1
   echo "== $cfg: ncu rc=$? $(( $(date +%s) - t0 ))s"
   # The raw page: every collected metric as a column, one row per kernel (bench/ncu_summary.py).
   ncu --import "$REP/ncu_$tag.ncu-rep" --csv --page raw >"$OUT/ncu_$tag.csv" 2>>"$OUT/ncu_$tag.log"
   python3 bench/ncu_summary.py "$OUT/ncu_$tag.csv" | tee "$OUT/ncu_$tag.md"
+  [ -n "${NCU_SECTIONS:-}" ] && ncu --import "$REP/ncu_$tag.ncu-rep" --page details >"$OUT/ncu_${tag}_details.txt" 2>&1
 done
 # The reports themselves (.ncu-rep, for the Nsight Compute GUI) only with NCU_KEEP_REPORTS=1 (size).
 [ "${NCU_KEEP_REPORTS:-0}" = 1 ] && cp "$REP"/ncu_*.ncu-rep "$OUT"/ 2>/dev/null
