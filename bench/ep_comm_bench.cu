@@ -95,7 +95,6 @@ void run_rank(ncclComm_t comm, int rank, int world, Point p, int reps, RankResul
   a.dev_comm = ctx->dev_comm;
   a.window = ctx->window;
   a.lay = ctx->layout;
-  a.local = static_cast<char*>(ctx->window_base);
   a.rank = rank;
   a.world = R;
   a.T = p.T;
