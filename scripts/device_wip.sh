@@ -8,7 +8,9 @@
 #      against the interleaved layout, on WIP_CONFIGS;
 #   5. torch: pip install . (the extension with the patches) and pytest tests/python;
 #   6. module: bench/module_vs_op.py (the torch module's time against the bare op), after torch;
-#   dw: bench_layer's dW1 / dW2 stage times with SMOE_DW_PATH=engine, then =cutlass (WIP_DW_CONFIGS).
+#   dw: bench_layer's dW1 / dW2 stage times with SMOE_DW_PATH=engine, =cutlass and =engine_tma
+#   (WIP_DW_CONFIGS; engine_tma needs docs/wip/dw_tma_varlen_k.patch, else it runs the default path);
+#   ep1: build-device/test_ep on this one GPU (GpuEp.WorldOne*: the window-alias fix).
 # WIP_STEPS (default "tests bench torch") picks steps 3-5, e.g. two calls: "tests bench", then "torch"
 # (a warm machine keeps build-device/; the patches apply again without harm: already-applied ones
 # are skipped). Logs to $OUT and $OUT/device_wip.tgz. Nothing is committed: land a patch only if its
@@ -42,6 +44,10 @@ if has tests; then
   echo "tests rc=$?"
   grep -E "^\[  (PASSED|FAILED)|^\[  FAILED|Failure|Expected|Which is" "$OUT/wip_tests.log" | head -40
 fi
+if has ep1 && [ -x build-device/test_ep ]; then
+  timeout 120 build-device/test_ep >"$OUT/wip_ep1.log" 2>&1
+  echo "test_ep (one GPU) rc=$?"; grep -E "SKIPPED|PASSED|FAILED|Failure" "$OUT/wip_ep1.log" | head -10
+fi
 # No timing while the torch build still compiles next to it (host load perturbs launch-bound stages).
 [ -n "$pip_pid" ] && { has bench || has dw; } && wait "$pip_pid"
 CONFIGS="${WIP_CONFIGS:-1.4B n256 E128 K8,30B n256 E256 K16,OLMoE-7B,Qwen3-235B,DeepSeek-V3.2}"
@@ -54,7 +60,7 @@ if has bench && [ -x build-device/bench_layer ]; then
   unset SMOE_BENCH_GATE_UP
 fi
 if has dw && [ -x build-device/bench_layer ]; then  # the weight-gradient path: engine vs CUTLASS
-  for path in engine cutlass; do
+  for path in engine cutlass engine_tma; do
     SMOE_DW_PATH=$path timeout 200 build-device/bench_layer --only "${WIP_DW_CONFIGS:-$CONFIGS}" \
       --warmup 2 --reps 5 >"$OUT/wip_dw_$path.log" 2>&1
     echo "== SMOE_DW_PATH=$path"
