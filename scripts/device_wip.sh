@@ -10,7 +10,10 @@
 #   6. module: bench/module_vs_op.py (the torch module's time against the bare op), after torch;
 #   dw: bench_layer's dW1 / dW2 stage times with SMOE_DW_PATH=engine, =cutlass and =engine_tma
 #   (WIP_DW_CONFIGS; engine_tma needs docs/wip/dw_tma_varlen_k.patch, else it runs the default path);
-#   ep1: build-device/test_ep on this one GPU (GpuEp.WorldOne*: the window-alias fix).
+#   ep1: build-device/test_ep on this one GPU (GpuEp.WorldOne*: the window-alias fix);
+#   cluster: the varlen-M GEMMs with the heuristic's cluster and with SMOE_ENGINE_CLUSTER=2, on
+#   bench/cluster_sweep_configs.json (12-48 MiB of gate/up per expert) and Qwen3-235B (exactly 24 MiB,
+#   the threshold, so no cluster by default): where the 2-CTA B multicast starts to pay.
 # WIP_STEPS (default "tests bench torch") picks steps 3-5, e.g. two calls: "tests bench", then "torch"
 # (a warm machine keeps build-device/; the patches apply again without harm: already-applied ones
 # are skipped). Logs to $OUT and $OUT/device_wip.tgz. Nothing is committed: land a patch only if its
@@ -66,6 +69,20 @@ if has dw && [ -x build-device/bench_layer ]; then  # the weight-gradient path: 
     echo "== SMOE_DW_PATH=$path"
     sed -n '/^per-stage/,$p' "$OUT/wip_dw_$path.log" | sed -E 's/ +fwd\.[^ ]+//g; s/ +bwd\.(dA_proj|router_bwd|dX_proj|dx_sum)=[^ ]+//g'
   done
+fi
+if has cluster && [ -x build-device/bench_layer ]; then
+  for c in default 2; do
+    for cfgs in bench/cluster_sweep_configs.json bench/configs.json; do
+      only=""; [ "$cfgs" = bench/configs.json ] && only="--only Qwen3-235B"
+      tag=$(basename "$cfgs" .json)
+      if [ "$c" = 2 ]; then export SMOE_ENGINE_CLUSTER=2; else unset SMOE_ENGINE_CLUSTER; fi
+      timeout 200 build-device/bench_layer --configs "$cfgs" $only --warmup 2 --reps 5 >"$OUT/wip_cluster_${c}_$tag.log" 2>&1
+      echo "== cluster $c ($tag)"
+      sed -n '/^per-stage/,$p' "$OUT/wip_cluster_${c}_$tag.log" |
+        sed -E 's/ +(fwd|bwd)\.(router_gemm|routing|aggregate|dW2|router_bwd|dW1|dx_sum)=[^ ]+//g'
+    done
+  done
+  unset SMOE_ENGINE_CLUSTER
 fi
 if has torch; then
   wait "$pip_pid" 2>/dev/null
