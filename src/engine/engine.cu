@@ -73,7 +73,8 @@ int pingpong_max_k() {
 }
 
 // SMOE_ENGINE_CLUSTER = 1, 2 (a pair along M, B multicast) or n2 (a pair along N, A multicast;
-// TMA-A GEMMs only: down-proj, dX~). n2 is not chosen by the heuristic yet: it is unmeasured.
+// TMA-A GEMMs only: down-proj, dX~). The heuristic never picks n2: measured at 6ab4848 it did not pay
+// (docs/engine.md, "Heuristics"); it stays for experiments.
 int forced_cluster() {
   const char* v = std::getenv("SMOE_ENGINE_CLUSTER");
   if (v == nullptr) return 0;
