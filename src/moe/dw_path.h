@@ -12,7 +12,10 @@
 //     every d measured (1.4B d 768: 0.617 vs 0.672 ms; 30B n256 d 4096: 5.73 vs 6.10) and loses at
 //     n >= 1024 (OLMoE 5.18 vs 4.02, Qwen3-235B 18.1 vs 12.9, DeepSeek-V3.2 49.2 vs 31.4: its
 //     128-row tiles over 2n re-read x per tile where CUTLASS's wider tiles do not). Before the
-//     16-byte stores the d <= 1024 limit held (30B n256 then lost).
+//     16-byte stores the d <= 1024 limit held (30B n256 then lost). At n = 512 it loses too
+//     (c4638e4, bench/results/h200/halves_h16_c4638e4.log: 7B n512 0.778 vs 0.695, 30B n512 5.49
+//     vs 4.72, Qwen3-Next 4.85 vs 4.26); 7B n256 (d 1536) 0.781 vs 0.825. All public configs: the
+//     n <= 256 edge is not yet checked on shapes outside configs.json.
 // SMOE_DW_PATH=engine or =cutlass forces one path for both (comparisons, tests).
 #pragma once
 
