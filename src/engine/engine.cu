@@ -189,7 +189,7 @@ Choice choose_varlen_m(const VarlenMArgs& a, int sm_count) {
 // Q' = P contiguous, D'[e] = D[e]^T stored transposed. The gathered operand is then always the
 // kernel's A (the 128-wide tile side) and the contiguous one B (TMA, up to 256 wide).
 VarlenKArgs as_gather_p(const VarlenKArgs& a) {
-  if (a.gather_p) return a;
+  if (a.gather_p || !a.gather_q) return a;  // P gathered, or neither (both by TMA, as given)
   VarlenKArgs t = a;
   t.M = a.N;
   t.N = a.M;
@@ -207,6 +207,8 @@ Choice choose_varlen_k(const VarlenKArgs& a_in, int sm_count) {
   const int64_t tiles256 = static_cast<int64_t>(a.num_experts) * ((a.M + 127) / 128) * (a.N / 256);
   const int forced = forced_bn("SMOE_ENGINE_BN_K");
   const bool wide = a.N % 256 == 0 && (forced ? forced == 256 : wide_tiles_fill(tiles256, sm_count));
+  if (!a_in.gather_p && !a_in.gather_q)
+    return wide ? Choice{256, false, 1, "dw_tma<256>"} : Choice{128, false, 1, "dw_tma<128>"};
   if (a_in.gather_p) return wide ? Choice{256, false, 1, "dw_gather_p<256>"} : Choice{128, false, 1, "dw_gather_p<128>"};
   return wide ? Choice{256, false, 1, "dw_gather_p_t<256>"} : Choice{128, false, 1, "dw_gather_p_t<128>"};
 }
@@ -299,10 +301,10 @@ Status varlen_k(const VarlenKArgs& a, int sm_count, cudaStream_t stream) {
   if (a.rows < 0 || a.rows > kMaxRows) return rule(fn, "rows", a.rows, "must be in [0, 2^31)");
   if (a.ld_p < a.M || a.ld_p % 8 != 0) return rule(fn, "ld_p", a.ld_p, "must be >= M and a multiple of 8");
   if (a.ld_q < a.N || a.ld_q % 8 != 0) return rule(fn, "ld_q", a.ld_q, "must be >= N and a multiple of 8");
-  if ((a.gather_p == nullptr) == (a.gather_q == nullptr))
+  if (a.gather_p != nullptr && a.gather_q != nullptr)
     return detail::make_status(StatusCode::kInvalidArgument,
-                               "engine::varlen_k: exactly one of gather_p / gather_q must be non-null "
-                               "(one operand gathered by cp.async, the other contiguous by TMA)");
+                               "engine::varlen_k: at most one of gather_p / gather_q may be non-null "
+                               "(one operand gathered by cp.async, or neither: both contiguous by TMA)");
   SMOE_RETURN_IF_ERROR(detail::check_ptr(a.expert_offset, fn, "expert_offset", 4));
   SMOE_RETURN_IF_ERROR(detail::check_ptr(a.P, fn, "P", 16));
   SMOE_RETURN_IF_ERROR(detail::check_ptr(a.Q, fn, "Q", 16));

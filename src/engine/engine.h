@@ -72,8 +72,8 @@ struct VarlenKArgs {
   const int32_t* expert_offset = nullptr;
   const bf16* P = nullptr;
   int64_t ld_p = 0;
-  const int32_t* gather_p = nullptr;  // exactly one of gather_p / gather_q is non-null; the other
-                                      // operand's rows are the grouped rows themselves
+  const int32_t* gather_p = nullptr;  // at most one of gather_p / gather_q is non-null; the other
+                                      // operand's rows (both, if neither) are the grouped rows
   const bf16* Q = nullptr;
   int64_t ld_q = 0;
   const int32_t* gather_q = nullptr;

@@ -290,16 +290,17 @@ struct VarlenMKernel {
 };
 
 // ---- varlen-K --------------------------------------------------------------------------------
-// P gathered (cp.async), Q contiguous (TMA); Epi = EpiStore (D [E][M][N]) or EpiStoreT (D [E][N][M]).
-template <class Cfg, class Epi_>
+// P gathered (cp.async; kGatherP) or contiguous (TMA), Q contiguous (TMA); Epi = EpiStore
+// (D [E][M][N]) or EpiStoreT (D [E][N][M]). The cp.async -> wgmma proxy fence only with a gather.
+template <class Cfg, class Epi_, bool kGatherP = true>
 struct VarlenKKernel {
   static constexpr int kCluster = 1;
   static_assert(!Cfg::kPingPong, "varlen-K: cooperative only (ZeroTail meets all 256 consumers)");
   static_assert(Cfg::kClusterM == 1, "varlen-K: no cluster");
-  using Producer = ProducerVarlenK<Cfg>;
-  using Consumer = ConsumerMma<Cfg, true>;
+  using Producer = ProducerVarlenK<Cfg, kGatherP>;
+  using Consumer = ConsumerMma<Cfg, kGatherP>;
   using Epi = Epi_;
-  using Body = KernelBody<Cfg, Producer, Consumer, Epi, ZeroTail<Cfg>, 72, 216>;
+  using Body = KernelBody<Cfg, Producer, Consumer, Epi, ZeroTail<Cfg, !kGatherP>, 72, 216>;
   using Storage = typename Body::Storage;
 
   using GmemMN = Layout<Shape<int, int>, Stride<_1, int64_t>>;  // (columns, rows), columns contiguous
@@ -308,6 +309,11 @@ struct VarlenKKernel {
                          typename Cfg::SmemLayoutB{}(_, _, Int<0>{}));
   }
   using TmaQ = decltype(tma_for(nullptr, GmemMN{}));
+  static auto tma_for_a(const Bf16* ptr, GmemMN gl) {
+    return make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(ptr), gl),
+                         typename Cfg::SmemLayoutA{}(_, _, Int<0>{}));
+  }
+  using TmaP = decltype(tma_for_a(nullptr, GmemMN{}));
 
   struct Params {
     int E, M, N;
@@ -316,19 +322,25 @@ struct VarlenKKernel {
     const Bf16* P;  // gathered through gather_p
     int64_t ld_p;
     const int32_t* gather_p;
-    int q_rows;     // rows of Q's tensor map (N columns, the grouped rows)
+    int q_rows;     // rows of Q's tensor map (N columns, the grouped rows); P's too without a gather
     TmaQ tma_q;
+    TmaP tma_p;     // !kGatherP: P by TMA (M columns, the grouped rows)
     typename Epi::Params epi;
   };
 
   static void make_tma(Params& p, const Bf16* Q, int64_t ld_q, int64_t rows) {
     p.q_rows = static_cast<int>(rows > 0 ? rows : 1);  // no tile loads when there are no rows
     p.tma_q = tma_for(Q, make_layout(make_shape(p.N, p.q_rows), make_stride(_1{}, ld_q)));
+    if constexpr (!kGatherP)
+      p.tma_p = tma_for_a(p.P, make_layout(make_shape(p.M, p.q_rows), make_stride(_1{}, p.ld_p)));
   }
 
   __device__ static void run(const Params& p, Storage& s) {
     Body::init_barriers(s);
-    if (threadIdx.x == 0) cute::prefetch_tma_descriptor(p.tma_q.get_tma_descriptor());
+    if (threadIdx.x == 0) {
+      cute::prefetch_tma_descriptor(p.tma_q.get_tma_descriptor());
+      if constexpr (!kGatherP) cute::prefetch_tma_descriptor(p.tma_p.get_tma_descriptor());
+    }
     __syncthreads();
     const VarlenKScheduler sched{p.expert_offset, p.E, p.m_tiles, p.n_tiles};
     Body::roles(p, s, sched, [&](const WorkTile& w, int& kt, int& tail) {

@@ -42,10 +42,11 @@ Status run_varlen_m(const VarlenMArgs& a, int sm_count, cudaStream_t stream, con
 inline EpiStore::Params epi_params_k(EpiStore*, const VarlenKArgs& a) { return {a.D, a.N}; }
 inline EpiStoreT::Params epi_params_k(EpiStoreT*, const VarlenKArgs& a) { return {a.D, a.M, a.N}; }
 
-// a: P gathered, Q contiguous (engine.cu swaps a gather_q call into this form).
-template <class Cfg, class Epi>
+// a: P gathered (kGatherP), Q contiguous (engine.cu swaps a gather_q call into this form); or
+// neither gathered (both by TMA).
+template <class Cfg, class Epi, bool kGatherP = true>
 Status run_varlen_k(const VarlenKArgs& a, int sm_count, cudaStream_t stream, const char* name) {
-  using K = VarlenKKernel<Cfg, Epi>;
+  using K = VarlenKKernel<Cfg, Epi, kGatherP>;
   typename K::Params p;
   p.E = a.num_experts;
   p.M = a.M;
@@ -64,7 +65,7 @@ Status run_varlen_k(const VarlenKArgs& a, int sm_count, cudaStream_t stream, con
 
 // The engine's instantiations, one per (kind, BN, schedule, cluster): each file generated from
 // src/engine/instance.cu.in (CMakeLists.txt) defines one inst:: function as Instance<...>::run.
-enum class Kind { up_swiglu, down_store, dx_store, da_dswiglu, dw_gather_p, dw_gather_p_t };
+enum class Kind { up_swiglu, down_store, dx_store, da_dswiglu, dw_gather_p, dw_gather_p_t, dw_tma };
 template <Kind, int BN, Sched, int C>
 struct Instance;
 template <int BN, Sched S, int C>
@@ -109,6 +110,13 @@ struct Instance<Kind::dw_gather_p_t, BN, S, C> {  // P gathered, Q by TMA, D sto
   static_assert(S == Sched::kCoop && C == 1, "varlen-K: cooperative, no cluster");
   static Status run(const VarlenKArgs& a, int sms, cudaStream_t s, const char* name) {
     return run_varlen_k<VarlenKConfig<BN>, EpiStoreT>(a, sms, s, name);
+  }
+};
+template <int BN, Sched S, int C>
+struct Instance<Kind::dw_tma, BN, S, C> {  // P and Q contiguous, both by TMA, D [E][M][N]
+  static_assert(S == Sched::kCoop && C == 1, "varlen-K: cooperative, no cluster");
+  static Status run(const VarlenKArgs& a, int sms, cudaStream_t s, const char* name) {
+    return run_varlen_k<VarlenKConfig<BN>, EpiStore, false>(a, sms, s, name);
   }
 };
 

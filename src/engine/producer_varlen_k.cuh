@@ -79,12 +79,14 @@ struct GatherRowLoader {
   }
 };
 
-// P (operand A, the 128-wide side) gathered by cp.async, Q (operand B) contiguous by TMA. A call
-// with Q gathered runs as its transpose (engine.cu), so this is the only arrangement needed.
-template <class Cfg>
+// P (operand A, the 128-wide side) gathered by cp.async (kGatherP) or contiguous by TMA, Q
+// (operand B) contiguous by TMA. A call with Q gathered runs as its transpose (engine.cu), so these
+// are the only arrangements needed. Without a gather both boxes come from one thread and the
+// stage's barrier has that one arrival (no cp.async ones).
+template <class Cfg, bool kGatherP = true>
 struct ProducerVarlenK {
   static constexpr int BM = Cfg::BM, BN = Cfg::BN, BK = Cfg::BK, kStages = Cfg::kStages;
-  static constexpr uint32_t kFullArrivals = 1 + kProducerThreads;
+  static constexpr uint32_t kFullArrivals = kGatherP ? 1 + kProducerThreads : 1;
   static_assert(Cfg::kMajorA == GMMA::Major::MN && Cfg::kMajorB == GMMA::Major::MN, "varlen-K: MN-major");
 
   template <class Params, class Storage, class Sched>
@@ -93,8 +95,10 @@ struct ProducerVarlenK {
     Tensor sA = make_tensor(make_smem_ptr(s.A.data()), typename Cfg::SmemLayoutA{});
     Tensor sB = make_tensor(make_smem_ptr(s.B.data()), typename Cfg::SmemLayoutB{});
     Tensor mQ = p.tma_q.get_tma_tensor(make_shape(p.N, p.q_rows));
+    Tensor mP = p.tma_p.get_tma_tensor(make_shape(p.M, p.q_rows));  // !kGatherP: the same rows as Q
     GatherRowLoader<BM, BK> lg;
-    lg.init(sA, tid);
+    if constexpr (kGatherP) lg.init(sA, tid);
+    else if (tid != 0) return;  // one thread issues both boxes
 
     PipeState ps;
     const int total = sched.total_tiles();
@@ -102,20 +106,31 @@ struct ProducerVarlenK {
       const WorkTile w = sched.get(t);
       const int k_tiles = (w.rows + BK - 1) / BK;
       const int m0 = w.m_tile * BM, n0 = w.n_tile * BN;
-      if (k_tiles > 0) lg.fetch_rows(p.P, p.ld_p, p.gather_p, w.row0, w.rows, 0, m0, p.M);
+      if constexpr (kGatherP)
+        if (k_tiles > 0) lg.fetch_rows(p.P, p.ld_p, p.gather_p, w.row0, w.rows, 0, m0, p.M);
       for (int k = 0; k < k_tiles; ++k) {
         cutlass::arch::ClusterBarrier::wait(&s.empty[ps.stage], ps.phase ^ 1u);
         if (tid == 0) {
-          cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&s.full[ps.stage], Cfg::kBytesB);
+          cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(
+              &s.full[ps.stage], kGatherP ? Cfg::kBytesB : Cfg::kBytesA + Cfg::kBytesB);
           Tensor gQ = local_tile(domain_offset(make_coord(n0, w.row0), mQ),
                                  make_shape(Int<BN>{}, Int<BK>{}), make_coord(0, _));
           auto [tQg, tQs] = tma_partition(p.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sB),
                                           group_modes<0, 2>(gQ));
           copy(p.tma_q.with(s.full[ps.stage]), tQg(_, k), tQs(_, ps.stage));
+          if constexpr (!kGatherP) {
+            Tensor gP = local_tile(domain_offset(make_coord(m0, w.row0), mP),
+                                   make_shape(Int<BM>{}, Int<BK>{}), make_coord(0, _));
+            auto [tPg, tPs] = tma_partition(p.tma_p, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sA),
+                                            group_modes<0, 2>(gP));
+            copy(p.tma_p.with(s.full[ps.stage]), tPg(_, k), tPs(_, ps.stage));
+          }
         }
-        lg.issue(p.P, ps.stage * Cfg::kBytesA);
-        cp_async_arrive_noinc(&s.full[ps.stage]);
-        if (k + 1 < k_tiles) lg.fetch_rows(p.P, p.ld_p, p.gather_p, w.row0, w.rows, k + 1, m0, p.M);
+        if constexpr (kGatherP) {
+          lg.issue(p.P, ps.stage * Cfg::kBytesA);
+          cp_async_arrive_noinc(&s.full[ps.stage]);
+          if (k + 1 < k_tiles) lg.fetch_rows(p.P, p.ld_p, p.gather_p, w.row0, w.rows, k + 1, m0, p.M);
+        }
         ps.template advance<kStages>();
       }
     }
@@ -123,21 +138,28 @@ struct ProducerVarlenK {
 };
 
 // Consumer side of the tail: in an expert's last K-tile with valid < BK rows, rows [valid, BK) of
-// the TMA-loaded operand (Q, operand B) hold the next expert's values; the 256 consumer threads
-// zero them, fence them for the async proxy and meet at a named barrier before the MMA reads them.
-template <class Cfg>
+// the TMA-loaded operands (Q, operand B; and P, operand A, when it is not gathered) hold the next
+// expert's values; the 256 consumer threads zero them, fence them for the async proxy and meet at a
+// named barrier before the MMA reads them. (A gathered P's rows past the end are zero-filled.)
+template <class Cfg, bool kZeroA = false>
 struct ZeroTail {
   template <class Storage>
   __device__ static void apply(Storage& s, int stage, int valid, int ctid) {
-    constexpr int kChunks = Cfg::BN / 8;
-    Tensor sB = make_tensor(make_smem_ptr(s.B.data()), typename Cfg::SmemLayoutB{});
+    zero_rows<Cfg::BN>(make_tensor(make_smem_ptr(s.B.data()), typename Cfg::SmemLayoutB{}), stage, valid, ctid);
+    if constexpr (kZeroA)
+      zero_rows<Cfg::BM>(make_tensor(make_smem_ptr(s.A.data()), typename Cfg::SmemLayoutA{}), stage, valid, ctid);
+    fence_generic_to_async_smem();
+    cutlass::arch::NamedBarrier::sync(kConsumerThreads, 1);
+  }
+
+  template <int kCols, class STensor>
+  __device__ static void zero_rows(const STensor& sX, int stage, int valid, int ctid) {
+    constexpr int kChunks = kCols / 8;
     const int n = (Cfg::BK - valid) * kChunks;
     for (int i = ctid; i < n; i += kConsumerThreads) {
       const int row = valid + i / kChunks, chunk = i % kChunks;
-      *reinterpret_cast<uint4*>(&sB(chunk * 8, row, stage)) = make_uint4(0, 0, 0, 0);
+      *reinterpret_cast<uint4*>(&sX(chunk * 8, row, stage)) = make_uint4(0, 0, 0, 0);
     }
-    fence_generic_to_async_smem();
-    cutlass::arch::NamedBarrier::sync(kConsumerThreads, 1);
   }
 };
 

@@ -126,7 +126,8 @@ Status moe_backward(const MoEBackwardArgs& a, cudaStream_t stream) {
                                           nnz, dS, stream, valid));
   profile::mark("dA_proj", stream);
 
-  if (layer::dw2_path(s) == layer::DwPath::kEngine) {
+  const layer::DwPath dw2p = layer::dw2_path(s);
+  if (dw2p == layer::DwPath::kEngine) {
     engine::VarlenKArgs dw2;
     dw2.num_experts = s.E;
     dw2.M = s.d;
@@ -142,15 +143,30 @@ Status moe_backward(const MoEBackwardArgs& a, cudaStream_t stream) {
     SMOE_RETURN_IF_ERROR(engine::varlen_k(dw2, sms, stream));
   } else {
     SMOE_RETURN_IF_ERROR(kernels::gather_rows(a.dout, s.d, sv.gather_idx, rows, w.dXt, stream, valid));
-    gemm::VarlenKArgs dw2;
-    dw2.num_experts = s.E;
-    dw2.M = s.d;
-    dw2.N = s.n;
-    dw2.expert_offset = expert_offset;
-    dw2.P = w.dXt;  // dO gathered
-    dw2.Q = w.a_prime;
-    dw2.D = a.dw2;
-    SMOE_RETURN_IF_ERROR(gemm::varlen_k_gemm(dw2, w.cutlass, w.cutlass_bytes, sms, stream));
+    if (dw2p == layer::DwPath::kEngineTma) {
+      engine::VarlenKArgs dw2;
+      dw2.num_experts = s.E;
+      dw2.M = s.d;
+      dw2.N = s.n;
+      dw2.rows = rows;
+      dw2.expert_offset = expert_offset;
+      dw2.P = w.dXt;  // dO gathered
+      dw2.ld_p = s.d;
+      dw2.Q = w.a_prime;
+      dw2.ld_q = s.n;
+      dw2.D = a.dw2;
+      SMOE_RETURN_IF_ERROR(engine::varlen_k(dw2, sms, stream));
+    } else {
+      gemm::VarlenKArgs dw2;
+      dw2.num_experts = s.E;
+      dw2.M = s.d;
+      dw2.N = s.n;
+      dw2.expert_offset = expert_offset;
+      dw2.P = w.dXt;  // dO gathered
+      dw2.Q = w.a_prime;
+      dw2.D = a.dw2;
+      SMOE_RETURN_IF_ERROR(gemm::varlen_k_gemm(dw2, w.cutlass, w.cutlass_bytes, sms, stream));
+    }
   }
   profile::mark("dW2", stream);
 
@@ -189,8 +205,9 @@ Status moe_backward(const MoEBackwardArgs& a, cudaStream_t stream) {
 
   // dW1 = dH^T x[gather] over [E][2n][d]. With two tensors dH is in halves, so its columns [0, n)
   // give dw1 (gate) and [n, 2n) dw3 (up): one call per half, P = dH + half * n, ld_p = 2n.
-  const bool dw1_engine = layer::dw1_path(s) == layer::DwPath::kEngine;
-  if (!dw1_engine)  // CUTLASS reads x gathered into the (then free) dX~ buffer, once for both halves
+  const layer::DwPath dw1p = layer::dw1_path(s);
+  const bool dw1_engine = dw1p == layer::DwPath::kEngine;
+  if (!dw1_engine)  // CUTLASS (engine_tma) reads x gathered into the (then free) dX~ buffer, once for both halves
     SMOE_RETURN_IF_ERROR(kernels::gather_rows(a.x, s.d, sv.gather_idx, rows, w.dXt, stream, valid));
   for (int half = 0; half < (two ? 2 : 1); ++half) {
     const int m = two ? s.n : 2 * s.n;
@@ -208,6 +225,19 @@ Status moe_backward(const MoEBackwardArgs& a, cudaStream_t stream) {
       dw1.Q = a.x;
       dw1.ld_q = s.d;
       dw1.gather_q = sv.gather_idx;
+      dw1.D = d_half;
+      SMOE_RETURN_IF_ERROR(engine::varlen_k(dw1, sms, stream));
+    } else if (dw1p == layer::DwPath::kEngineTma) {
+      engine::VarlenKArgs dw1;
+      dw1.num_experts = s.E;
+      dw1.M = m;
+      dw1.N = s.d;
+      dw1.rows = rows;
+      dw1.expert_offset = expert_offset;
+      dw1.P = p_half;
+      dw1.ld_p = 2 * s.n;
+      dw1.Q = w.dXt;  // x gathered
+      dw1.ld_q = s.d;
       dw1.D = d_half;
       SMOE_RETURN_IF_ERROR(engine::varlen_k(dw1, sms, stream));
     } else {

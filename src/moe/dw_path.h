@@ -1,5 +1,6 @@
 // Which kernel computes each weight gradient (dW1, dW2): the engine's varlen-K with the gather
-// fused into its loads, or CUTLASS's ptr-array varlen-K on rows gathered first (v1's path).
+// fused into its loads, the engine's varlen-K on rows gathered first (engine_tma), or CUTLASS's
+// ptr-array varlen-K on rows gathered first (v1's path).
 //
 // Measured on the H200 (bench_layer, every public config, engine at 3fdbba6 vs v1 at 96f0d1a,
 // gather included; bench/results/h200/kernels_engine.md):
@@ -16,7 +17,15 @@
 //     (c4638e4, bench/results/h200/halves_h16_c4638e4.log: 7B n512 0.778 vs 0.695, 30B n512 5.49
 //     vs 4.72, Qwen3-Next 4.85 vs 4.26); 7B n256 (d 1536) 0.781 vs 0.825. All public configs: the
 //     n <= 256 edge is not yet checked on shapes outside configs.json.
-// SMOE_DW_PATH=engine or =cutlass forces one path for both (comparisons, tests).
+// kEngineTma: the CUTLASS path's row gather, then the engine's varlen-K with both operands by TMA
+// (dw_tma). Measured at c9db77c + docs/wip (bench/results/h200/dw_paths_c9db77c.log, ms, engine /
+// cutlass / engine_tma): dW1 30B n256 5.95 / 6.18 / 5.70, OLMoE 5.11 / 4.26 / 3.80, Qwen3-235B
+// 17.9 / 13.2 / 12.1, DeepSeek-V3.2 50.4 / 32.6 / 30.8; dW2 30B n256 2.62 / 4.21 / 3.79, OLMoE
+// 2.41 / 2.44 / 2.20, Qwen3 7.90 / 7.26 / 6.65, DeepSeek 19.2 / 17.6 / 16.5. So the gathered
+// cp.async loads, not the rest of the varlen-K, starved the engine (ncu: SM 53-60%, L2 40%): the
+// same kernel on pre-gathered rows beats CUTLASS everywhere. dW1 takes engine_tma at every n; dW2
+// keeps the fused gather for n <= 512, where the gather copy (T*K*d*2 bytes each way) costs more
+// than the GEMM saves. The CUTLASS path stays behind the switch (and as v1's reference).
 #pragma once
 
 #include <cstdlib>
@@ -27,26 +36,31 @@
 namespace smoe {
 namespace layer {
 
-enum class DwPath { kEngine, kCutlass };
+enum class DwPath { kEngine, kCutlass, kEngineTma };
 
 inline DwPath forced_dw_path(bool* forced) {
   const char* v = std::getenv("SMOE_DW_PATH");
-  *forced = v != nullptr && (std::strcmp(v, "engine") == 0 || std::strcmp(v, "cutlass") == 0);
-  return *forced && std::strcmp(v, "engine") == 0 ? DwPath::kEngine : DwPath::kCutlass;
+  *forced = true;
+  if (v != nullptr && std::strcmp(v, "engine") == 0) return DwPath::kEngine;
+  if (v != nullptr && std::strcmp(v, "cutlass") == 0) return DwPath::kCutlass;
+  if (v != nullptr && std::strcmp(v, "engine_tma") == 0) return DwPath::kEngineTma;
+  *forced = false;
+  return DwPath::kCutlass;
 }
 
 inline DwPath dw2_path(const MoEShape& s) {
   bool forced = false;
   const DwPath f = forced_dw_path(&forced);
   if (forced) return f;
-  return s.n <= 512 ? DwPath::kEngine : DwPath::kCutlass;
+  return s.n <= 512 ? DwPath::kEngine : DwPath::kEngineTma;
 }
 
 inline DwPath dw1_path(const MoEShape& s) {
   bool forced = false;
   const DwPath f = forced_dw_path(&forced);
   if (forced) return f;
-  return s.n <= 256 ? DwPath::kEngine : DwPath::kCutlass;
+  (void)s;
+  return DwPath::kEngineTma;
 }
 
 }  // namespace layer

@@ -630,6 +630,13 @@ TEST(GpuEngine, VarlenK) {
   // Q gathered runs transposed (EpiStoreT, octet-transposed 16-byte stores): partial tiles both ways.
   run_k({kEdgeCounts, 192, 320, false, true});
   run_k({kEdgeCounts, 320, 192, false, true});
+  // Neither gathered: both operands by TMA (dw_tma), the tail rows of both zeroed; both tiles.
+  run_k({kEdgeCounts, 192, 320, false, false});
+  run_k({kEdgeCounts, 64, 128, false, false});
+  setenv("SMOE_ENGINE_BN_K", "256", 1);
+  run_k({kEdgeCounts, 320, 512, false, false, 256});
+  run_k({kEdgeCounts, 128, 256, true, false, 256});
+  unsetenv("SMOE_ENGINE_BN_K");
 }
 TEST(GpuEngine, ManyExpertsMostlyEmpty) {
   std::mt19937_64 g(smoe_test::fresh_seed());
@@ -637,10 +644,12 @@ TEST(GpuEngine, ManyExpertsMostlyEmpty) {
   run_m({counts, 256, 128, eng::WeightMajor::kNK, eng::Epilogue::kSwiGLU, true});
   run_m({counts, 128, 128, eng::WeightMajor::kKN, eng::Epilogue::kDSwiGLU, true});
   run_k({counts, 128, 128, true, false});
+  run_k({counts, 128, 128, false, false});
 }
 TEST(GpuEngine, ZeroRows) {
   run_m({{0, 0, 0}, 128, 64, eng::WeightMajor::kNK, eng::Epilogue::kStore, false});
   run_k({{0, 0, 0}, 128, 64, false, true});  // every expert empty: all-zero gradients
+  run_k({{0, 0, 0}, 128, 64, false, false});
 }
 TEST(GpuEngine, BadArgumentsRejected) {
   eng::VarlenMArgs a;
@@ -660,9 +669,10 @@ TEST(GpuEngine, BadArgumentsRejected) {
   k.num_experts = 4;
   k.ld_p = 64;
   k.ld_q = 64;
-  s = eng::varlen_k(k, sms(), 0);  // neither operand gathered
+  k.gather_p = k.gather_q = reinterpret_cast<const int32_t*>(0x1000);
+  s = eng::varlen_k(k, sms(), 0);  // both operands gathered
   EXPECT_FALSE(s.ok());
-  EXPECT_NE(s.message.find("exactly one of gather_p / gather_q"), std::string::npos) << s.message;
+  EXPECT_NE(s.message.find("at most one of gather_p / gather_q"), std::string::npos) << s.message;
 }
 
 // The reference twins themselves, against float64 on the host: every element of a small gathered
