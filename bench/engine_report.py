@@ -3,6 +3,8 @@
 Usage: python3 bench/engine_report.py --ours bench/results/h200/engine_ours.json \
            --v1 bench/results/h200/layer.json --sonic bench/results/h200/side_by_side.json \
            --bound bench/cublas_bound.json > bench/results/h200/engine_vs_bound.md
+--ours_log instead of --ours reads bench_layer's text table (the first table of the log; --commit
+names it), for runs whose JSON did not come back from the device.
 v1 and SonicMoE come from their own JSON files (other processes, same GPU model): the ratios
 against them carry that run-to-run spread (about 5% seen between machines in this session).
 """
@@ -20,14 +22,45 @@ def systems_by_config(path, system):
     return out, d.get("commit", "?")
 
 
+def systems_from_log(path):
+    """bench_layer's text table: 'config  fwd ms  bwd ms  fwd TF  bwd TF  tot TF ...' rows."""
+    out = {}
+    in_table = False
+    for line in open(path):
+        if line.startswith("config") and "fwd TF" in line:
+            if out:
+                break  # only the first table
+            in_table = True
+            continue
+        if in_table:
+            if not line.strip():
+                break
+            parts = line.split()
+            # the name has spaces; the next five fields are numbers
+            for i in range(1, len(parts) - 4):
+                try:
+                    nums = [float(x) for x in parts[i:i + 5]]
+                except ValueError:
+                    continue
+                out[" ".join(parts[:i])] = {"fwd_ms": nums[0], "bwd_ms": nums[1], "fwd_tflops": nums[2],
+                                            "bwd_tflops": nums[3], "total_tflops": nums[4]}
+                break
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--ours", required=True)
+    ap.add_argument("--ours")
+    ap.add_argument("--ours_log")
+    ap.add_argument("--commit", default="?")
     ap.add_argument("--v1", required=True)
     ap.add_argument("--sonic", required=True)
     ap.add_argument("--bound", required=True)
     a = ap.parse_args()
-    ours, oc = systems_by_config(a.ours, "ours")
+    if a.ours_log:
+        ours, oc = systems_from_log(a.ours_log), a.commit
+    else:
+        ours, oc = systems_by_config(a.ours, "ours")
     v1, vc = systems_by_config(a.v1, "ours")
     sonic, sc = systems_by_config(a.sonic, "sonicmoe")
     bound = json.load(open(a.bound))["bound"]

@@ -2,30 +2,18 @@
 // fused into its loads, the engine's varlen-K on rows gathered first (engine_tma), or CUTLASS's
 // ptr-array varlen-K on rows gathered first (v1's path).
 //
-// Measured on the H200 (bench_layer, every public config, engine at 3fdbba6 vs v1 at 96f0d1a,
-// gather included; bench/results/h200/kernels_engine.md):
-//   dW2 (reduction over rows, N = n): the engine wins for n <= 512 (1.4B 0.30 vs 0.48 ms, 30B n256
-//     2.9 vs 4.4, Qwen3-Next 2.3 vs 2.4), ties at n = 1024 and loses above (Qwen3 8.2 vs 7.1,
-//     DeepSeek 23.2 vs 17.3): its gather saves 2*T*K*d*2 bytes, which matters most when K*d/n
-//     is large.
-//   dW1 (M = 2n, N = d, stored transposed): with 16-byte transposed stores (octet transpose, f8f89c9
-//     + docs/wip patches, bench/results/h200/wip_landing_f8f89c9.log) the engine wins at n = 256 for
-//     every d measured (1.4B d 768: 0.617 vs 0.672 ms; 30B n256 d 4096: 5.73 vs 6.10) and loses at
-//     n >= 1024 (OLMoE 5.18 vs 4.02, Qwen3-235B 18.1 vs 12.9, DeepSeek-V3.2 49.2 vs 31.4: its
-//     128-row tiles over 2n re-read x per tile where CUTLASS's wider tiles do not). Before the
-//     16-byte stores the d <= 1024 limit held (30B n256 then lost). At n = 512 it loses too
-//     (c4638e4, bench/results/h200/halves_h16_c4638e4.log: 7B n512 0.778 vs 0.695, 30B n512 5.49
-//     vs 4.72, Qwen3-Next 4.85 vs 4.26); 7B n256 (d 1536) 0.781 vs 0.825. All public configs: the
-//     n <= 256 edge is not yet checked on shapes outside configs.json.
+// History: the fused-gather engine first won dW2 at n <= 512 and dW1 at n <= 256 against CUTLASS
+// (3fdbba6 .. c4638e4, docs/engine.md "Heuristics"); engine_tma (below) replaced CUTLASS where it won.
 // kEngineTma: the CUTLASS path's row gather, then the engine's varlen-K with both operands by TMA
-// (dw_tma). Measured at c9db77c + docs/wip (bench/results/h200/dw_paths_c9db77c.log, ms, engine /
-// cutlass / engine_tma): dW1 30B n256 5.95 / 6.18 / 5.70, OLMoE 5.11 / 4.26 / 3.80, Qwen3-235B
+// (dw_tma). Measured on the H200 (bench/results/h200/dw_paths_601b32e.log, every public config, ms, engine
+// / cutlass / engine_tma), e.g.: dW1 30B n256 5.95 / 6.18 / 5.70, OLMoE 5.11 / 4.26 / 3.80, Qwen3-235B
 // 17.9 / 13.2 / 12.1, DeepSeek-V3.2 50.4 / 32.6 / 30.8; dW2 30B n256 2.62 / 4.21 / 3.79, OLMoE
 // 2.41 / 2.44 / 2.20, Qwen3 7.90 / 7.26 / 6.65, DeepSeek 19.2 / 17.6 / 16.5. So the gathered
 // cp.async loads, not the rest of the varlen-K, starved the engine (ncu: SM 53-60%, L2 40%): the
 // same kernel on pre-gathered rows beats CUTLASS everywhere. dW1 takes engine_tma at every n; dW2
 // keeps the fused gather for n <= 512, where the gather copy (T*K*d*2 bytes each way) costs more
 // than the GEMM saves. The CUTLASS path stays behind the switch (and as v1's reference).
+// SMOE_DW_PATH=engine, =cutlass or =engine_tma forces one path for both (comparisons, tests).
 #pragma once
 
 #include <cstdlib>

@@ -290,6 +290,14 @@ void check_against_cpu(const smoe::MoEShape& s, int hot_expert = -1) {
       continue;
     }
     const R::LayerGrads gr = R::layer_backward_ref(in.xd, in.doutd, rs, w, f, R::BackwardMethod::kSonic);
+    // dW_router against the reference fed the library's saved H, rounded to bf16: dS = <dA', SwiGLU(H)>
+    // inherits that rounding. With a saturated router (a hot expert, runner-up scores ~1e-10) dW_r comes
+    // from a few tokens whose dS_k - dS_j cancel, and bf16 H alone moves it by up to ~5% from the exact
+    // value (seed 7123884819070700281 of OneExpertReceivesEveryToken: 5.46e-2 on the CPU model, 5.47e-2
+    // on the H200; other seeds 1.5e-3 - 5e-3). The method's precision, not a wrong gradient.
+    R::LayerForward f_h16 = f;
+    for (double& v : f_h16.experts.h) v = __bfloat162float(__float2bfloat16(static_cast<float>(v)));
+    const R::LayerGrads gr_h16 = R::layer_backward_ref(in.xd, in.doutd, rs, w, f_h16, R::BackwardMethod::kSonic);
     double max_score_err = 0;
     for (size_t i = 0; i < o.scores.size(); ++i)
       max_score_err = std::max(max_score_err, std::fabs(o.scores[i] - f.routing.score[i]));
@@ -302,11 +310,11 @@ void check_against_cpu(const smoe::MoEShape& s, int hot_expert = -1) {
       // Softmax over one choice is constant 1: the router gets exactly zero gradient.
       for (float v : o.dwr) ASSERT_EQ(v, 0.f) << "dw_router must be exactly 0 for K = 1";
     } else {
-      EXPECT_LE(rel_l2(o.dwr, gr.dw_router), kTol) << "dw_router";
+      EXPECT_LE(rel_l2(o.dwr, gr_h16.dw_router), kTol) << "dw_router (reference with bf16 H)";
     }
-    std::printf("  %-32s out %.2e dx %.2e dw1 %.2e dw2 %.2e dwr %.2e\n", shape_name(s).c_str(),
+    std::printf("  %-32s out %.2e dx %.2e dw1 %.2e dw2 %.2e dwr %.2e (exact H %.2e)\n", shape_name(s).c_str(),
                 rel_l2(o.out, f.experts.o), rel_l2(o.dx, gr.dx), rel_l2(o.dw1, gr.dw1),
-                rel_l2(o.dw2, gr.dw2), rel_l2(o.dwr, gr.dw_router));
+                rel_l2(o.dw2, gr.dw2), rel_l2(o.dwr, gr_h16.dw_router), rel_l2(o.dwr, gr.dw_router));
     return;
   }
   FAIL() << "three draws in a row had near-ties";
