@@ -8,9 +8,8 @@
 #      against the interleaved layout, on WIP_CONFIGS;
 #   5. torch: pip install . (the extension with the patches) and pytest tests/python;
 #   6. module: bench/module_vs_op.py (the torch module's time against the bare op), after torch;
-#   dw: bench_layer's dW1 / dW2 stage times with SMOE_DW_PATH=engine (BK 64, then SMOE_ENGINE_BK_K=32:
-#   varlen_k_bk32.patch), =cutlass and =engine_tma
-#   (WIP_DW_CONFIGS; engine_tma needs docs/wip/dw_tma_varlen_k.patch, else it runs the default path);
+#   dw: bench_layer's dW1 / dW2 stage times with SMOE_DW_PATH=engine, =cutlass and =engine_tma
+#   (WIP_DW_CONFIGS);
 #   ep1: build-device/test_ep on this one GPU (GpuEp.WorldOne*: the window-alias fix);
 #   cluster: the varlen-M GEMMs with the heuristic's cluster and with SMOE_ENGINE_CLUSTER=2, on
 #   bench/cluster_sweep_configs.json (12-48 MiB of gate/up per expert) and Qwen3-235B (exactly 24 MiB,
@@ -64,11 +63,11 @@ if has bench && [ -x build-device/bench_layer ]; then
   unset SMOE_BENCH_GATE_UP
 fi
 if has dw && [ -x build-device/bench_layer ]; then  # the weight-gradient path: engine vs CUTLASS
-  for mode in engine engine_bk32 cutlass engine_tma; do  # engine_bk32: SMOE_ENGINE_BK_K=32 (varlen_k_bk32.patch)
-    path=${mode%_bk32}; bk=64; [ "$mode" = engine_bk32 ] && bk=32
-    SMOE_DW_PATH=$path SMOE_ENGINE_BK_K=$bk timeout 200 build-device/bench_layer --only "${WIP_DW_CONFIGS:-$CONFIGS}" \
+  for mode in engine cutlass engine_tma; do
+    path=$mode
+    SMOE_DW_PATH=$path timeout 200 build-device/bench_layer --only "${WIP_DW_CONFIGS:-$CONFIGS}" \
       --warmup 2 --reps 5 >"$OUT/wip_dw_$mode.log" 2>&1
-    echo "== SMOE_DW_PATH=$path SMOE_ENGINE_BK_K=$bk"
+    echo "== SMOE_DW_PATH=$path"
     sed -n '/^per-stage/,$p' "$OUT/wip_dw_$mode.log" | sed -E 's/ +fwd\.[^ ]+//g; s/ +bwd\.(dA_proj|router_bwd|dX_proj|dx_sum)=[^ ]+//g'
   done
 fi
