@@ -6,6 +6,8 @@
 #   comm    ep_comm_bench: dispatch / combine bandwidth    torch  pip install . + tests/python/test_ep.py
 #   train   examples/ep_train under torchrun (EP = 2)      bench  bench/ep_baseline.py (EP_CONFIGS, EP_SYSTEMS;
 #           EP_PROFILE=1 adds each system's kernel time per call, torch.profiler, and its top kernels to the log)
+#   overlap ours_ep with SMOE_EP_OVERLAP=0 and =1 (EpConfig::overlap; EP_WIP_PATCHES=docs/wip/ep_backward_x_overlap.patch
+#           until it lands), EP_CONFIGS
 #   pkb     issue 12: bench/pkb_ep.py at every world size in PKB_SIZES (default 1 2 4 8, those the
 #           machine has) and scaling mode in PKB_SCALING (default strong weak), then
 #           bench/pkb_report.py -> $OUT/ep_scaling.{json,md,png}; PKB_SEEDS (2), PKB_TIMEOUT (300 s a run)
@@ -29,11 +31,25 @@ has() { case " $STEPS " in *" $1 "*) return 0;; esac; return 1; }
 step() {  # name timeout command...
   local name=$1 t=$2; shift 2
   local t0=$(date +%s)
-  timeout "$t" "$@" >"$OUT/ep_$name.log" 2>&1
+  timeout --kill-after=10 "$t" "$@" >"$OUT/ep_$name.log" 2>&1
   local rc=$?
+  # A timed-out torchrun can leave its workers running, holding GPU memory (on 2026-11-30 one held
+  # 95 GB of GPU 0 and the next call's DeepSeek run ran out of memory): kill them.
+  if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+    pkill -9 -f "[b]ench/(pkb_ep|ep_baseline)\.py|[e]xamples/ep_train" 2>/dev/null
+    sleep 2
+  fi
   echo "$name rc=$rc $(( $(date +%s) - t0 ))s"
   return $rc
 }
+# A previous call on this (warm) machine that ran past the device tool's limit leaves its torchrun
+# workers behind, still holding GPU memory: clear them before anything runs.
+pkill -9 -f "[b]ench/(pkb_ep|ep_baseline)\.py|[e]xamples/ep_train" 2>/dev/null && sleep 2
+# EP_WIP_PATCHES: docs/wip patches to apply first (e.g. docs/wip/ep_backward_x_overlap.patch).
+for p in ${EP_WIP_PATCHES:-}; do
+  if git apply --reverse --check "$p" 2>/dev/null; then echo "already applied $p"
+  elif git apply "$p"; then echo "applied $p"; else echo "FAILED to apply $p"; fi
+done
 pip_pid=""
 if has build && has torch; then  # the torch extension's build next to the C++ one (device_wip.sh does the same)
   (step pip 400 python3 -m pip install --no-build-isolation --no-deps -q .) &
@@ -60,6 +76,14 @@ if has bench; then
     ${EP_CONFIGS:+--only "$EP_CONFIGS"} --systems "${EP_SYSTEMS:-torchtitan_a2a,ours_local_a2a,ours_ep}" --out "$OUT/ep_$COMMIT.json" \
     ${EP_PROFILE:+--profile}
   grep -E "^RESULT" "$OUT/ep_bench.log" | cut -c1-400
+fi
+if has overlap; then  # EpConfig::overlap (ep_backward_x_overlap.patch): ours_ep without (0) and with (1)
+  for ov in 0 1; do
+    SMOE_EP_OVERLAP=$ov SMOE_COMMIT=$COMMIT step "overlap_$ov" "${EP_BENCH_TIMEOUT:-240}" torchrun --nproc_per_node 2 \
+      bench/ep_baseline.py --warmup "${EP_WARMUP:-2}" --reps "${EP_REPS:-7}" ${EP_CONFIGS:+--only "$EP_CONFIGS"} \
+      --systems ours_ep --out "$OUT/ep_overlap_${ov}_$COMMIT.json"
+    grep -E "^RESULT" "$OUT/ep_overlap_$ov.log" | cut -c1-400
+  done
 fi
 if has pkb; then
   NG=$(nvidia-smi -L | wc -l)
