@@ -189,13 +189,14 @@ TEST(EngineApi, WeightGradientPath) {
   unsetenv("SMOE_DW_PATH");
   using smoe::layer::DwPath;
   smoe::MoEShape small{40960, 768, 256, 128, 8}, wide{32768, 7168, 2048, 256, 8};
+  // dW2: the fused gather up to n = 512, engine_tma above; dW1: engine_tma at every n (dw_path.h).
   EXPECT_EQ(smoe::layer::dw2_path(small), DwPath::kEngine);
-  EXPECT_EQ(smoe::layer::dw1_path(small), DwPath::kEngine);
-  EXPECT_EQ(smoe::layer::dw2_path(wide), DwPath::kCutlass);
-  EXPECT_EQ(smoe::layer::dw1_path(wide), DwPath::kCutlass);
-  // n = 256 at any d (30B n256: d = 4096) takes the engine's dW1 since its 16-byte stores.
-  EXPECT_EQ(smoe::layer::dw1_path(smoe::MoEShape{32768, 4096, 256, 256, 16}), DwPath::kEngine);
-  EXPECT_EQ(smoe::layer::dw1_path(smoe::MoEShape{32768, 4096, 512, 128, 8}), DwPath::kCutlass);
+  EXPECT_EQ(smoe::layer::dw1_path(small), DwPath::kEngineTma);
+  EXPECT_EQ(smoe::layer::dw2_path(wide), DwPath::kEngineTma);
+  EXPECT_EQ(smoe::layer::dw1_path(wide), DwPath::kEngineTma);
+  EXPECT_EQ(smoe::layer::dw2_path(smoe::MoEShape{32768, 4096, 512, 128, 8}), DwPath::kEngine);
+  EXPECT_EQ(smoe::layer::dw2_path(smoe::MoEShape{32768, 2048, 1024, 64, 8}), DwPath::kEngineTma);
+  EXPECT_EQ(smoe::layer::dw1_path(smoe::MoEShape{32768, 4096, 256, 256, 16}), DwPath::kEngineTma);
   setenv("SMOE_DW_PATH", "engine", 1);
   EXPECT_EQ(smoe::layer::dw1_path(wide), DwPath::kEngine);
   setenv("SMOE_DW_PATH", "cutlass", 1);
