@@ -1,14 +1,15 @@
-// The MoE layer's backward on the fused engine (SonicMoE's rewrite: no Y, no dY; no gathered
-// copies of x or dO: both are gathered inside the GEMMs' operand loads):
+// The MoE layer's backward on the fused engine (SonicMoE's rewrite: no Y, no dY; nothing of size
+// T*K*d is held from the forward):
 //   dA' = dO[gather] W2_e            engine varlen-M, dSwiGLU + dS epilogue: dH, A' = s*A and
 //                                    per-column-tile partial dS (deterministic)
 //   dS[t,k] = sum of the partials    fixed order
-//   dW2_e = dO[gather]_e^T A'_e      engine varlen-K (dO gathered), or CUTLASS on dO gathered
-//                                    into the dX~ buffer first (dw_path.h says which)
+//   dW2_e = dO[gather]_e^T A'_e      engine varlen-K, dO gathered in its loads (n <= 512) or
+//                                    gathered first into the dX~ buffer (dw_path.h says which)
 //   router: dl, dense bf16 dlogits; dW_r = dlogits^T x (cuBLAS, fp32 out -> bf16); token rounding
 //                                    recomputes the logits and adds dlogits W_r to dx by cuBLAS;
 //                                    provided routing has no router: dS goes to the caller's dscores
-//   dW1_e = dH_e^T x[gather]_e       engine varlen-K (x gathered), or CUTLASS likewise
+//   dW1_e = dH_e^T x[gather]_e       engine varlen-K on x gathered first into the dX~ buffer
+//                                    (workspace, free until dX~; dw_path.h)
 //   dX~ = dH W1_e                    engine varlen-M, dH by TMA
 //   dx[t] = sum over t's entries of dX~[row] (+ dl W_r[e] for top-K, + dlogits W_r for rounding)
 #include "engine/engine.h"
@@ -126,47 +127,36 @@ Status moe_backward(const MoEBackwardArgs& a, cudaStream_t stream) {
                                           nnz, dS, stream, valid));
   profile::mark("dA_proj", stream);
 
+  // dW2: the engine reads dO gathered in its loads (kEngine) or from rows gathered first into the
+  // (then free) dX~ buffer (kEngineTma: both operands by TMA; kCutlass: v1's varlen-K).
   const layer::DwPath dw2p = layer::dw2_path(s);
-  if (dw2p == layer::DwPath::kEngine) {
+  if (dw2p != layer::DwPath::kEngine)
+    SMOE_RETURN_IF_ERROR(kernels::gather_rows(a.dout, s.d, sv.gather_idx, rows, w.dXt, stream, valid));
+  if (dw2p == layer::DwPath::kCutlass) {
+    gemm::VarlenKArgs dw2;
+    dw2.num_experts = s.E;
+    dw2.M = s.d;
+    dw2.N = s.n;
+    dw2.expert_offset = expert_offset;
+    dw2.P = w.dXt;  // dO gathered
+    dw2.Q = w.a_prime;
+    dw2.D = a.dw2;
+    SMOE_RETURN_IF_ERROR(gemm::varlen_k_gemm(dw2, w.cutlass, w.cutlass_bytes, sms, stream));
+  } else {
+    const bool fused = dw2p == layer::DwPath::kEngine;
     engine::VarlenKArgs dw2;
     dw2.num_experts = s.E;
     dw2.M = s.d;
     dw2.N = s.n;
     dw2.rows = rows;
     dw2.expert_offset = expert_offset;
-    dw2.P = a.dout;
+    dw2.P = fused ? a.dout : w.dXt;
     dw2.ld_p = s.d;
-    dw2.gather_p = sv.gather_idx;
+    dw2.gather_p = fused ? sv.gather_idx : nullptr;
     dw2.Q = w.a_prime;
     dw2.ld_q = s.n;
     dw2.D = a.dw2;
     SMOE_RETURN_IF_ERROR(engine::varlen_k(dw2, sms, stream));
-  } else {
-    SMOE_RETURN_IF_ERROR(kernels::gather_rows(a.dout, s.d, sv.gather_idx, rows, w.dXt, stream, valid));
-    if (dw2p == layer::DwPath::kEngineTma) {
-      engine::VarlenKArgs dw2;
-      dw2.num_experts = s.E;
-      dw2.M = s.d;
-      dw2.N = s.n;
-      dw2.rows = rows;
-      dw2.expert_offset = expert_offset;
-      dw2.P = w.dXt;  // dO gathered
-      dw2.ld_p = s.d;
-      dw2.Q = w.a_prime;
-      dw2.ld_q = s.n;
-      dw2.D = a.dw2;
-      SMOE_RETURN_IF_ERROR(engine::varlen_k(dw2, sms, stream));
-    } else {
-      gemm::VarlenKArgs dw2;
-      dw2.num_experts = s.E;
-      dw2.M = s.d;
-      dw2.N = s.n;
-      dw2.expert_offset = expert_offset;
-      dw2.P = w.dXt;  // dO gathered
-      dw2.Q = w.a_prime;
-      dw2.D = a.dw2;
-      SMOE_RETURN_IF_ERROR(gemm::varlen_k_gemm(dw2, w.cutlass, w.cutlass_bytes, sms, stream));
-    }
   }
   profile::mark("dW2", stream);
 
@@ -206,41 +196,14 @@ Status moe_backward(const MoEBackwardArgs& a, cudaStream_t stream) {
   // dW1 = dH^T x[gather] over [E][2n][d]. With two tensors dH is in halves, so its columns [0, n)
   // give dw1 (gate) and [n, 2n) dw3 (up): one call per half, P = dH + half * n, ld_p = 2n.
   const layer::DwPath dw1p = layer::dw1_path(s);
-  const bool dw1_engine = dw1p == layer::DwPath::kEngine;
-  if (!dw1_engine)  // CUTLASS (engine_tma) reads x gathered into the (then free) dX~ buffer, once for both halves
+  const bool fused = dw1p == layer::DwPath::kEngine;
+  if (!fused)  // engine_tma / CUTLASS read x gathered into the (then free) dX~ buffer, once for both halves
     SMOE_RETURN_IF_ERROR(kernels::gather_rows(a.x, s.d, sv.gather_idx, rows, w.dXt, stream, valid));
   for (int half = 0; half < (two ? 2 : 1); ++half) {
     const int m = two ? s.n : 2 * s.n;
     const bf16* p_half = w.dH + static_cast<int64_t>(half) * s.n;
     bf16* d_half = half == 0 ? a.dw1 : a.dw3;
-    if (dw1_engine) {
-      engine::VarlenKArgs dw1;
-      dw1.num_experts = s.E;
-      dw1.M = m;
-      dw1.N = s.d;
-      dw1.rows = rows;
-      dw1.expert_offset = expert_offset;
-      dw1.P = p_half;
-      dw1.ld_p = 2 * s.n;
-      dw1.Q = a.x;
-      dw1.ld_q = s.d;
-      dw1.gather_q = sv.gather_idx;
-      dw1.D = d_half;
-      SMOE_RETURN_IF_ERROR(engine::varlen_k(dw1, sms, stream));
-    } else if (dw1p == layer::DwPath::kEngineTma) {
-      engine::VarlenKArgs dw1;
-      dw1.num_experts = s.E;
-      dw1.M = m;
-      dw1.N = s.d;
-      dw1.rows = rows;
-      dw1.expert_offset = expert_offset;
-      dw1.P = p_half;
-      dw1.ld_p = 2 * s.n;
-      dw1.Q = w.dXt;  // x gathered
-      dw1.ld_q = s.d;
-      dw1.D = d_half;
-      SMOE_RETURN_IF_ERROR(engine::varlen_k(dw1, sms, stream));
-    } else {
+    if (dw1p == layer::DwPath::kCutlass) {
       gemm::VarlenKArgs dw1;
       dw1.num_experts = s.E;
       dw1.M = m;
@@ -251,6 +214,20 @@ Status moe_backward(const MoEBackwardArgs& a, cudaStream_t stream) {
       dw1.Q = w.dXt;  // x gathered
       dw1.D = d_half;
       SMOE_RETURN_IF_ERROR(gemm::varlen_k_gemm(dw1, w.cutlass, w.cutlass_bytes, sms, stream));
+    } else {
+      engine::VarlenKArgs dw1;
+      dw1.num_experts = s.E;
+      dw1.M = m;
+      dw1.N = s.d;
+      dw1.rows = rows;
+      dw1.expert_offset = expert_offset;
+      dw1.P = p_half;
+      dw1.ld_p = 2 * s.n;
+      dw1.Q = fused ? a.x : w.dXt;  // x, gathered in the loads or before
+      dw1.ld_q = s.d;
+      dw1.gather_q = fused ? sv.gather_idx : nullptr;
+      dw1.D = d_half;
+      SMOE_RETURN_IF_ERROR(engine::varlen_k(dw1, sms, stream));
     }
   }
   profile::mark("dW1", stream);
