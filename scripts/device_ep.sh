@@ -40,7 +40,15 @@ step() {  # name timeout command...
     sleep 2
   fi
   echo "$name rc=$rc $(( $(date +%s) - t0 ))s"
+  pack_out
   return $rc
+}
+# The device tool returns at most 8 files from $OUT, the first by name (build.log, cmake.log,
+# device_check_logs.tgz, device_ep.tgz, ...): every step refreshes device_ep.tgz, so a call cut off
+# by the tool's limit still brings back what finished (on 2026-11-30 pkb_strong_1.json was lost so).
+pack_out() {
+  tar czf "$OUT/device_ep.tgz.tmp" -C "$OUT" $(cd "$OUT" && ls ep_* pkb_* 2>/dev/null) 2>/dev/null &&
+    mv "$OUT/device_ep.tgz.tmp" "$OUT/device_ep.tgz"
 }
 # A previous call on this (warm) machine that ran past the device tool's limit leaves its torchrun
 # workers behind, still holding GPU memory: clear them before anything runs.
@@ -98,4 +106,4 @@ if has pkb; then
   python3 bench/pkb_report.py "$OUT"/pkb_*.json --out "$OUT/ep_scaling" --device "$NG x $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" \
     --date "$(date +%F)" && head -12 "$OUT/ep_scaling.md"
 fi
-tar czf "$OUT/device_ep.tgz" -C "$OUT" $(cd "$OUT" && ls ep_* pkb_* 2>/dev/null) 2>/dev/null || true
+pack_out || true

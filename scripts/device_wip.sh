@@ -25,6 +25,12 @@ OUT="${OUT:-$ROOT/out}"
 mkdir -p "$OUT"
 WIP_STEPS="${WIP_STEPS:-tests bench torch}"
 has() { case " $WIP_STEPS " in *" $1 "*) return 0;; esac; return 1; }
+# Refreshed after every step: the device tool returns only the first 8 files of $OUT by name, and a
+# call cut off at its limit then still brings back the steps that finished (device_wip.tgz).
+pack_wip() {
+  tar czf "$OUT/device_wip.tgz.tmp" -C "$OUT" $(cd "$OUT" && ls wip_* 2>/dev/null) 2>/dev/null &&
+    mv "$OUT/device_wip.tgz.tmp" "$OUT/device_wip.tgz"
+}
 shopt -s nullglob
 # Default: every docs/wip patch but the expert-parallel ones (ep_*: scripts/device_ep.sh applies
 # those through EP_WIP_PATCHES; ep_forward_ready_counters and pp_da_row_prefetch together spill in
@@ -50,10 +56,12 @@ if has tests; then
     --gtest_filter="${WIP_TEST_FILTER:-GpuEngine.*:GpuBadInput.*:GpuLayer.*:GpuLayerRouting.*}" >"$OUT/wip_tests.log" 2>&1
   echo "tests rc=$?"
   grep -E "^\[  (PASSED|FAILED)|^\[  FAILED|Failure|Expected|Which is" "$OUT/wip_tests.log" | head -40
+  pack_wip
 fi
 if has ep1 && [ -x build-device/test_ep ]; then
   timeout 120 build-device/test_ep >"$OUT/wip_ep1.log" 2>&1
   echo "test_ep (one GPU) rc=$?"; grep -E "SKIPPED|PASSED|FAILED|Failure" "$OUT/wip_ep1.log" | head -10
+  pack_wip
 fi
 # No timing while the torch build still compiles next to it (host load perturbs launch-bound stages).
 [ -n "$pip_pid" ] && { has bench || has dw; } && wait "$pip_pid"
@@ -65,6 +73,7 @@ if has bench && [ -x build-device/bench_layer ]; then
     echo "== $mode"; grep -oE "^[^ ].*|up_proj=[0-9.]+|dA_proj=[0-9.]+|dW1=[0-9.]+|dX_proj=[0-9.]+" "$OUT/wip_bench_$mode.log" | head -40
   done
   unset SMOE_BENCH_GATE_UP
+  pack_wip
 fi
 if has dw && [ -x build-device/bench_layer ]; then  # the weight-gradient path: engine vs CUTLASS
   for mode in engine cutlass engine_tma; do
@@ -73,6 +82,7 @@ if has dw && [ -x build-device/bench_layer ]; then  # the weight-gradient path: 
       --warmup 2 --reps 5 >"$OUT/wip_dw_$mode.log" 2>&1
     echo "== SMOE_DW_PATH=$path"
     sed -n '/^per-stage/,$p' "$OUT/wip_dw_$mode.log" | sed -E 's/ +fwd\.[^ ]+//g; s/ +bwd\.(dA_proj|router_bwd|dX_proj|dx_sum)=[^ ]+//g'
+    pack_wip
   done
 fi
 if has cluster && [ -x build-device/bench_layer ]; then
@@ -85,6 +95,7 @@ if has cluster && [ -x build-device/bench_layer ]; then
       echo "== cluster $c ($tag)"
       sed -n '/^per-stage/,$p' "$OUT/wip_cluster_${c}_$tag.log" |
         sed -E 's/ +(fwd|bwd)\.(router_gemm|routing|aggregate|dW2|router_bwd|dW1|dx_sum)=[^ ]+//g'
+      pack_wip
     done
   done
   unset SMOE_ENGINE_CLUSTER
@@ -100,4 +111,4 @@ if has module; then  # the module's cost over the op (no per-step weight copy), 
     --commit "${SMOE_COMMIT:-$(git rev-parse HEAD)}" >"$OUT/wip_module_vs_op.log" 2>&1
   echo "module_vs_op rc=$?"; cat "$OUT/wip_module_vs_op.log" | tail -12
 fi
-tar czf "$OUT/device_wip.tgz" -C "$OUT" $(cd "$OUT" && ls wip_* 2>/dev/null) 2>/dev/null || true
+pack_wip || true
