@@ -1,6 +1,7 @@
 #include "layer_bench.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -227,10 +228,16 @@ Result run_layer(const Config& c, int warmup, int reps, const std::string& route
     BENCH_CUDA(cudaEventElapsedTime(&ms, a, z));
     tf.push_back(ms);
   }
+  std::vector<double> host_fwd, host_bwd;
   for (int i = 0; i < reps; ++i) {
     BENCH_CUDA(cudaEventRecord(a, 0));
+    const auto h0 = std::chrono::steady_clock::now();
     BENCH_SMOE(smoe::moe_forward(f, 0));
+    const auto h1 = std::chrono::steady_clock::now();
     BENCH_SMOE(smoe::moe_backward(b, 0));
+    const auto h2 = std::chrono::steady_clock::now();
+    host_fwd.push_back(std::chrono::duration<double, std::milli>(h1 - h0).count());
+    host_bwd.push_back(std::chrono::duration<double, std::milli>(h2 - h1).count());
     BENCH_CUDA(cudaEventRecord(z, 0));
     BENCH_CUDA(cudaEventSynchronize(z));
     float ms;
@@ -278,6 +285,10 @@ Result run_layer(const Config& c, int warmup, int reps, const std::string& route
   r.fwd_workspace_bytes = static_cast<int64_t>(wsf_b);
   r.bwd_workspace_bytes = static_cast<int64_t>(wsb_b);
   for (const std::string& k : order) r.kernels_ms.emplace_back(k, median(stages[k]));
+  std::sort(host_fwd.begin(), host_fwd.end());
+  std::sort(host_bwd.begin(), host_bwd.end());
+  r.host_fwd_enqueue_ms = host_fwd.empty() ? 0 : host_fwd[host_fwd.size() / 2];
+  r.host_bwd_enqueue_ms = host_bwd.empty() ? 0 : host_bwd[host_bwd.size() / 2];
   return r;
 }
 
@@ -303,6 +314,10 @@ void print_table(const std::vector<Config>& cs, const std::vector<Result>& rs) {
     for (const auto& k : rs[i].kernels_ms) std::printf(" %s=%.3f", k.first.c_str(), k.second);
     std::printf("\n");
   }
+  std::printf("\nhost enqueue median ms (near fwd + bwd ms, the GPU waits on the host between kernels):\n");
+  for (size_t i = 0; i < cs.size(); ++i)
+    if (rs[i].error.empty())
+      std::printf("%-20s fwd=%.3f bwd=%.3f\n", cs[i].name.c_str(), rs[i].host_fwd_enqueue_ms, rs[i].host_bwd_enqueue_ms);
 }
 
 std::string to_json(const std::vector<Config>& cs, const std::vector<Result>& rs, const std::string& commit,
@@ -334,7 +349,8 @@ std::string to_json(const std::vector<Config>& cs, const std::vector<Result>& rs
         << ", \"held_bytes\": " << r.held_bytes << ", \"plan_bytes\": " << r.plan_bytes
         << ", \"fwd_workspace_bytes\": " << r.fwd_workspace_bytes << ", \"bwd_workspace_bytes\": "
         << r.bwd_workspace_bytes << ", \"router\": \"" << r.router << "\", \"rows\": " << r.rows
-        << ", \"tile_rows\": " << r.tile_rows << "}},\n     \"kernels\": {";
+        << ", \"tile_rows\": " << r.tile_rows << ", \"host_fwd_enqueue_ms\": " << r.host_fwd_enqueue_ms
+        << ", \"host_bwd_enqueue_ms\": " << r.host_bwd_enqueue_ms << "}},\n     \"kernels\": {";
       for (size_t k = 0; k < r.kernels_ms.size(); ++k)
         o << (k ? ", " : "") << "\"" << r.kernels_ms[k].first << "_ms\": " << r.kernels_ms[k].second;
       o << "}}";

@@ -28,6 +28,9 @@ struct Result {
   int64_t rows = 0;             // grouped rows the GEMMs computed (T*K for top-K)
   int64_t tile_rows = 0;        // rows rounded up to the 128-row tile per expert: tile waste = 1 - rows/tile_rows
   std::vector<std::pair<std::string, double>> kernels_ms;  // median per stage, in order
+  // Host time to enqueue (the calls return before the GPU finishes), median over the timed
+  // fwd+bwd reps. When it comes near the GPU time, the GPU waits on the host between kernels.
+  double host_fwd_enqueue_ms = 0, host_bwd_enqueue_ms = 0;
 };
 
 // router: "topk" (default) or a token-rounding mode "nr", "up", "down", "sr".
