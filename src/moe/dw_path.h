@@ -43,12 +43,10 @@ inline DwPath dw2_path(const MoEShape& s) {
   return s.n <= 512 ? DwPath::kEngine : DwPath::kEngineTma;
 }
 
-inline DwPath dw1_path(const MoEShape& s) {
+inline DwPath dw1_path(const MoEShape& /*s: engine_tma won at every shape measured*/) {
   bool forced = false;
   const DwPath f = forced_dw_path(&forced);
-  if (forced) return f;
-  (void)s;
-  return DwPath::kEngineTma;
+  return forced ? f : DwPath::kEngineTma;
 }
 
 }  // namespace layer
