@@ -120,7 +120,7 @@ void run_rank(ncclComm_t comm, int rank, int world, Point p, int reps, RankResul
   const int blocks = cfg.comm_blocks;
   for (int rep = -3; rep < reps; ++rep) {
     CK(cudaEventRecord(e0, stream));
-    CK(smoe::ep::launch_dispatch(a, all_counts, send_pos, x, nullptr, d_clean, d_sc, /*write_meta=*/true, /*start_barrier=*/true, blocks, stream));
+    CK(smoe::ep::launch_dispatch(a, all_counts, send_pos, x, nullptr, d_clean, d_sc, /*write_meta=*/true, /*start_barrier=*/true, /*report_capacity=*/true, blocks, stream));
     CK(cudaEventRecord(e1, stream));
     CK(cudaEventSynchronize(e1));
     float ms;

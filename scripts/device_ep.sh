@@ -85,8 +85,8 @@ if has bench; then
     ${EP_PROFILE:+--profile}
   grep -E "^RESULT" "$OUT/ep_bench.log" | cut -c1-400
 fi
-if has overlap; then  # EpConfig::overlap (ep_backward_x_overlap.patch): ours_ep without (0) and with (1)
-  for ov in 0 1; do
+if has overlap; then  # EpConfig::overlap: ours_ep at each level of EP_OVERLAPS (default 0 1; 2 needs ep_forward_ready_counters)
+  for ov in ${EP_OVERLAPS:-0 1}; do
     SMOE_EP_OVERLAP=$ov SMOE_COMMIT=$COMMIT step "overlap_$ov" "${EP_BENCH_TIMEOUT:-240}" torchrun --nproc_per_node 2 \
       bench/ep_baseline.py --warmup "${EP_WARMUP:-2}" --reps "${EP_REPS:-7}" ${EP_CONFIGS:+--only "$EP_CONFIGS"} \
       --systems ours_ep --out "$OUT/ep_overlap_${ov}_$COMMIT.json"

@@ -55,6 +55,12 @@ struct EpConfig {
   // dscores 0), the forward sets kStatusEpCapacityExceeded, and which tokens drop is deterministic
   // (slots are ordered by source rank, then token).
   int64_t recv_capacity = 0;
+  // 1: the backward sends x on a stream of the context's own while the local layer's dA' and dW2
+  // run on the caller's stream (dout goes first; the layer waits for x before its router and dW1
+  // work, and the caller's stream joins it before the call returns). 0: x and dout in one pass
+  // first (for comparisons). Every rank must pass the same; SMOE_EP_OVERLAP=0|1 in the environment
+  // overrides it at ep_create.
+  int overlap = 1;
 };
 
 // DeviceStatus flag of the EP calls (beside smoe.h's DeviceStatusFlag values).

@@ -335,6 +335,10 @@ struct MoEBackwardArgs {
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
   DeviceStatus* status = nullptr;  // optional: where a bad saved state is reported (kStatusBadSavedState)
+  // Optional: x may still be in flight when the call is enqueued (expert parallelism sends it on
+  // another stream). The layer's stream waits for this event before the first kernel that reads x
+  // (the router's weight gradient, then dW1); dA' and dW2 run before it.
+  cudaEvent_t x_ready = nullptr;
 };
 
 Status moe_forward(const MoEForwardArgs& args, cudaStream_t stream);

@@ -106,9 +106,9 @@ __device__ __forceinline__ void store_row_16B(bf16* row, bool row_ok, const Tile
 }
 
 // The kernel calls an epilogue in one of two ways: cooperative, pre = prefetch(...) before the
-// mainloop and apply(..., pre) after it; ping-pong, apply_streamed(...) (per 64-row half, inputs
-// loaded as they are used). Epilogues without per-row inputs derive from this (CRTP), which
-// adapts their apply(p, acc, cd, t) to both.
+// mainloop and apply(..., pre) after it; ping-pong, apply_tile(...) on the warpgroup's whole
+// 128-row accumulator (two 64-row halves, inputs loaded as they are used). Epilogues without
+// per-row inputs derive from this (CRTP), which adapts their apply(p, acc, cd, t) to both.
 struct NoPrefetch {};
 template <class Derived>
 struct WithoutPrefetch {
@@ -122,8 +122,9 @@ struct WithoutPrefetch {
     Derived::apply(p, acc, cd, t);
   }
   template <class Params, class Accum, class Coords>
-  __device__ static void apply_streamed(const Params& p, const Accum& acc, const Coords& cd, const TileCtx& t) {
-    Derived::apply(p, acc, cd, t);
+  __device__ static void apply_tile(const Params& p, const Accum& acc, const Coords& cd, const TileCtx& t) {
+    CUTE_UNROLL
+    for (int mi = 0; mi < size<1>(acc); ++mi) Derived::apply(p, acc(_, mi, _), cd(_, mi, _), t);
   }
 };
 
@@ -369,9 +370,9 @@ struct EpiDSwiGLUT {
     if constexpr (kHalves) {
       // Gate at column c, up at N + c. Lane q loads 16 bytes of each (columns 8 j + 0..7 of group
       // j = 4 b + q: full sectors, one load per 4 groups, where 4 + 4 bytes per lane and group
-      // half-filled them and took 2x the load instructions); h[4 b + k] keeps word k of both, raw.
-      // apply_row's quad transpose then gives lane q group 4 b + k's columns 8 j + 2 q, + 1, the
-      // accumulator's. Not here: a shuffle would wait for the loads before the mainloop.
+      // half-filled them and took 2x the load instructions); h[4 b + k] keeps word k of both, raw
+      // (columns 2 k, 2 k + 1 of group 4 b + q). apply_row_halves brings dA' to this layout instead
+      // of H to the accumulator's.
       const int q = static_cast<int>(threadIdx.x) & 3;
       const bf16* grow = p.H + r * 2 * p.ld + t.col0;
       CUTE_UNROLL
@@ -412,47 +413,123 @@ struct EpiDSwiGLUT {
     for (int h = 0; h < 2; ++h) apply_row(p, acc, cd, t, h, f.row[h]);
   }
 
-  // Ping-pong: a row's inputs loaded just before its use (the other warpgroup's mainloop hides
-  // the latency; holding both rows' next to a 128 x BN accumulator would spill).
+  // Ping-pong, the warpgroup's whole 128-row tile: a thread's 4 rows (2 halves x 2) in turn, each
+  // row's H and score loaded while the row before it computes. Loading every row's inputs up front
+  // would sit 4 rows of H next to the 128 x BN accumulator (a spill); loading each just before its
+  // use (as before) waited out one HBM round trip per row, 4 per tile, which at small d (few
+  // K-tiles for the other warpgroup's mainloop to hide them under) made dA' latency-bound.
   template <class Accum, class Coords>
-  __device__ static void apply_streamed(const Params& p, const Accum& acc, const Coords& cd, const TileCtx& t) {
-    constexpr int G = acc_col_groups<Accum>();
+  __device__ static void apply_tile(const Params& p, const Accum& acc, const Coords& cd, const TileCtx& t) {
+    constexpr int G = acc_col_groups<decltype(acc(_, 0, _))>();
+    constexpr int kRows = 2 * decltype(size<1>(acc))::value;  // i = 2 mi + h
+    RowInputs<G> buf[2];
+    buf[0] = load_row<G>(p, cd(_, 0, _), t, 0);
     CUTE_UNROLL
-    for (int h = 0; h < 2; ++h) apply_row(p, acc, cd, t, h, load_row<G>(p, cd, t, h));
+    for (int i = 0; i < kRows; ++i) {
+      auto next = [&] {
+        if (i + 1 < kRows) buf[(i + 1) & 1] = load_row<G>(p, cd(_, (i + 1) / 2, _), t, (i + 1) % 2);
+      };
+      apply_row(p, acc(_, i / 2, _), cd(_, i / 2, _), t, i % 2, buf[i & 1], next);
+    }
   }
 
-  template <class Accum, class Coords, class Row>
+  // Halves, computed where the 16-byte runs live: the quad transpose moves dA' (two fp32 words per
+  // lane and group) so that lane q holds all 8 columns of group 4 b + q, which is how load_row
+  // loaded H (gate and up, 16 bytes each, raw) and how dH (gate, up) and A' are stored. 8 shuffles
+  // per 4 groups, where transposing H in (gate, up) and dH out (gate, up) plus A' took 20. dS sums
+  // this lane's columns in another order than the interleaved path (the same terms, fp32): equal
+  // to it within rounding, not bitwise; run to run it is fixed.
+  template <int G, class Accum, class Row, class Mid>
+  __device__ static void apply_row_halves(const Params& p, const Accum& acc, const TileCtx& t, int h, const Row& f,
+                                          const AccPos& pos, bool row_ok, int q, Mid& mid) {
+    const int64_t r = t.row0 + pos.m0 + 8 * h;
+    const float s = f.s;
+    bf16* dgrow = p.dH + r * 2 * p.ld + t.col0;  // gate; up at + ld
+    bf16* aprow = p.A_prime + r * p.ld + t.col0;
+    float ds = 0.f;
+    CUTE_UNROLL
+    for (int b = 0; b < G / 4; ++b) {
+      // lo[k] / hi[k]: dA' of column 2 k / 2 k + 1 of group 4 b + q after the transpose.
+      uint32_t lo[4], hi[4];
+      CUTE_UNROLL
+      for (int k = 0; k < 4; ++k) {
+        // A copy ptxas cannot fold into the accumulator register: the quad transpose's selects
+        // would otherwise write into it, and ptxas then serialises every wgmma of the kernel (C7514).
+        asm volatile("mov.b32 %0, %1;" : "=r"(lo[k]) : "f"(acc(4 * (4 * b + k) + 2 * h)));
+        asm volatile("mov.b32 %0, %1;" : "=r"(hi[k]) : "f"(acc(4 * (4 * b + k) + 2 * h + 1)));
+      }
+      quad_transpose(lo);
+      quad_transpose(hi);
+      uint32_t dg[4], du[4], ap[4];
+      CUTE_UNROLL
+      for (int k = 0; k < 4; ++k) {
+        union {
+          uint32_t w;
+          __nv_bfloat162 h2;
+        } gw, uw;
+        gw.w = f.h[4 * b + k].x;  // gate columns 2 k, 2 k + 1 of group 4 b + q
+        uw.w = f.h[4 * b + k].y;  // up, the same columns
+        const float2 g2 = __bfloat1622float2(gw.h2), u2 = __bfloat1622float2(uw.h2);
+        float dgv[2], duv[2], apv[2];
+        CUTE_UNROLL
+        for (int qq = 0; qq < 2; ++qq) {
+          const float g = qq ? g2.y : g2.x, u = qq ? u2.y : u2.x;
+          const float sig = 1.f / (1.f + __expf(-g));
+          const float sl = g * sig;
+          const float a = sl * u;
+          const float da_prime = __uint_as_float(qq ? hi[k] : lo[k]);
+          ds += da_prime * a;
+          const float dA = s * da_prime;
+          dgv[qq] = dA * u * (sig + sl * (1.f - sig));
+          duv[qq] = dA * sl;
+          apv[qq] = s * a;
+        }
+        dg[k] = pack_bf16x2(dgv[0], dgv[1]);
+        du[k] = pack_bf16x2(duv[0], duv[1]);
+        ap[k] = pack_bf16x2(apv[0], apv[1]);
+      }
+      const int jq = 4 * b + q;
+      if (row_ok && AccPos::col_ok(t, jq)) {
+        *reinterpret_cast<uint4*>(dgrow + 8 * jq) = make_uint4(dg[0], dg[1], dg[2], dg[3]);
+        *reinterpret_cast<uint4*>(dgrow + p.ld + 8 * jq) = make_uint4(du[0], du[1], du[2], du[3]);
+        *reinterpret_cast<uint4*>(aprow + 8 * jq) = make_uint4(ap[0], ap[1], ap[2], ap[3]);
+      }
+      if (b == (G / 4 - 1) / 2) mid();  // reached for every G (apply_row's hook)
+    }
+    ds += __shfl_xor_sync(0xffffffffu, ds, 1);
+    ds += __shfl_xor_sync(0xffffffffu, ds, 2);
+    if (q == 0 && row_ok) p.ds_partial[r * p.n_tiles + t.n_tile] = ds;
+  }
+
+  struct NoMid {
+    __device__ void operator()() const {}
+  };
+
+  // mid(): called once, after the first half of the row's column groups (their accumulator
+  // registers are dead by then): where apply_tile issues the next row's loads.
+  template <class Accum, class Coords, class Row, class Mid = NoMid>
   __device__ static void apply_row(const Params& p, const Accum& acc, const Coords& cd, const TileCtx& t, int h,
-                                   const Row& f) {
+                                   const Row& f, Mid mid = Mid{}) {
     constexpr int G = acc_col_groups<Accum>();
     const AccPos pos(cd);
     const bool row_ok = pos.row_ok(t, h);
     const int q = static_cast<int>(threadIdx.x) & 3;
+    if constexpr (kHalves) {
+      apply_row_halves<G>(p, acc, t, h, f, pos, row_ok, q, mid);
+      return;
+    }
     // Every lane computes (the quad's shuffles need all of them); rows and columns past the tile's
     // end have H = 0 from load_row, so a = 0 there, and only the stores are predicated.
     const int64_t r = t.row0 + pos.m0 + 8 * h;
     const float s = f.s;
     const int64_t j0 = t.col0 + pos.n0;
-    // dH interleaved: 8 bytes per lane and group, a quad's 32 bytes one full sector. Halves (gate at
-    // column c, up at N + c): 4 + 4 bytes per lane and group would half-fill every sector, so the
-    // gate and up words go through the quad transpose as A' does and leave as 16-byte runs.
-    bf16* dhrow = p.dH + r * 2 * p.ld + (kHalves ? static_cast<int64_t>(t.col0) : 2 * j0);
+    // dH interleaved: 8 bytes per lane and group, a quad's 32 bytes one full sector.
+    bf16* dhrow = p.dH + r * 2 * p.ld + 2 * j0;
     bf16* aprow = p.A_prime + r * p.ld + t.col0;  // A': 16-byte stores after the quad transpose
     float ds = 0.f;
     CUTE_UNROLL
     for (int b = 0; b < G / 4; ++b) {
       uint32_t w[4];
-      uint32_t wg[4], wu[4];  // halves: (dg0, dg1) and (du0, du1) of group 4 b + k
-      uint32_t hg[4], hu[4];  // halves: the raw 16-byte H loads of load_row, to the quad transpose
-      if constexpr (kHalves) {
-        CUTE_UNROLL
-        for (int k = 0; k < 4; ++k) {
-          hg[k] = f.h[4 * b + k].x;
-          hu[k] = f.h[4 * b + k].y;
-        }
-        quad_transpose(hg);
-        quad_transpose(hu);
-      }
       CUTE_UNROLL
       for (int k = 0; k < 4; ++k) {
         const int j = 4 * b + k;
@@ -460,10 +537,7 @@ struct EpiDSwiGLUT {
           uint2 u;
           __nv_bfloat162 h2[2];
         } hv, dh;
-        if constexpr (kHalves)
-          hv.u = make_uint2(__byte_perm(hg[k], hu[k], 0x5410), __byte_perm(hg[k], hu[k], 0x7632));
-        else
-          hv.u = f.h[j];
+        hv.u = f.h[j];
         float ap[2];
         CUTE_UNROLL
         for (int qq = 0; qq < 2; ++qq) {
@@ -477,27 +551,13 @@ struct EpiDSwiGLUT {
           dh.h2[qq] = __floats2bfloat162_rn(dA * gu.y * (sig + sl * (1.f - sig)), dA * sl);
           ap[qq] = s * a;
         }
-        if constexpr (kHalves) {
-          wg[k] = __byte_perm(dh.u.x, dh.u.y, 0x5410);
-          wu[k] = __byte_perm(dh.u.x, dh.u.y, 0x7632);
-        } else if (row_ok && AccPos::col_ok(t, j)) {
-          *reinterpret_cast<uint2*>(dhrow + 16 * j) = dh.u;
-        }
+        if (row_ok && AccPos::col_ok(t, j)) *reinterpret_cast<uint2*>(dhrow + 16 * j) = dh.u;
         w[k] = pack_bf16x2(ap[0], ap[1]);
       }
       quad_transpose(w);
-      if constexpr (kHalves) {
-        quad_transpose(wg);
-        quad_transpose(wu);
-      }
       const int jq = 4 * b + q;
-      if (row_ok && AccPos::col_ok(t, jq)) {
-        *reinterpret_cast<uint4*>(aprow + 8 * jq) = make_uint4(w[0], w[1], w[2], w[3]);
-        if constexpr (kHalves) {
-          *reinterpret_cast<uint4*>(dhrow + 8 * jq) = make_uint4(wg[0], wg[1], wg[2], wg[3]);
-          *reinterpret_cast<uint4*>(dhrow + p.ld + 8 * jq) = make_uint4(wu[0], wu[1], wu[2], wu[3]);
-        }
-      }
+      if (row_ok && AccPos::col_ok(t, jq)) *reinterpret_cast<uint4*>(aprow + 8 * jq) = make_uint4(w[0], w[1], w[2], w[3]);
+      if (b == (G / 4 - 1) / 2) mid();  // reached for every G
     }
     // The 4 lanes of a quad hold one row: fixed butterfly, lane 0 of the quad writes.
     ds += __shfl_xor_sync(0xffffffffu, ds, 1);

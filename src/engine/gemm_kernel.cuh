@@ -128,11 +128,10 @@ struct KernelBody {
       if (j > 0) cutlass::arch::NamedBarrier::sync(kConsumerThreads, kOrderBar + wg);
       Consumer::template run<Tail>(tiled_mma, tCrA, tCrB, accum, k_tiles, tail_valid, ps, s);
       if (t + stride < total) cutlass::arch::NamedBarrier::arrive(kConsumerThreads, kOrderBar + (wg ^ 1));
-      // Per 64-row half (the epilogues address two rows per thread, AccPos); inputs streamed, not
-      // prefetched: their registers would sit next to a 128 x BN accumulator, and the other
-      // warpgroup's mainloop hides the loads' latency instead.
-      CUTE_UNROLL
-      for (int mi = 0; mi < size<1>(accum); ++mi) Epi::apply_streamed(p.epi, accum(_, mi, _), cd(_, mi, _), ctx);
+      // The whole 128-row tile (two 64-row halves; the epilogues address two rows per thread,
+      // AccPos); per-row inputs streamed, not prefetched before the mainloop: their registers would
+      // sit next to a 128 x BN accumulator.
+      Epi::apply_tile(p.epi, accum, cd, ctx);
     }
   }
 };

@@ -1,4 +1,5 @@
 // EP context: configuration checks, the symmetric window and the device communicator.
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -33,6 +34,7 @@ Status check_config(const EpConfig& c, int world) {
   if (c.K < 1 || c.K > c.E) return bad(concat("config.K = ", c.K, " must be in [1, E = ", c.E, "]"));
   if (c.barrier_timeout_ms < 0)
     return bad(concat("config.barrier_timeout_ms = ", c.barrier_timeout_ms, " must be >= 0"));
+  if (c.overlap != 0 && c.overlap != 1) return bad(concat("config.overlap = ", c.overlap, " must be 0 or 1"));
   if (c.comm_blocks < 1 || c.comm_blocks > kMaxCommBlocks)
     return bad(concat("config.comm_blocks = ", c.comm_blocks, " must be in [1, ", kMaxCommBlocks, "]"));
   // The local layer runs over the receive capacity (default world * max_tokens): its shape rules apply.
@@ -75,7 +77,12 @@ EpWindowLayout window_layout(const EpConfig& c, int R, int Kl, int64_t cap) {
 
 }  // namespace
 
-Status ep_create(ncclComm_t comm, const EpConfig& config, EpContext** out) {
+Status ep_create(ncclComm_t comm, const EpConfig& config_in, EpContext** out) {
+  // SMOE_EP_OVERLAP overrides EpConfig::overlap (before the ranks compare configs, so ranks with
+  // different environments get the mismatch error, not a hang).
+  EpConfig config = config_in;
+  if (const char* v = std::getenv("SMOE_EP_OVERLAP"); v != nullptr && (v[0] == '0' || v[0] == '1') && v[1] == 0)
+    config.overlap = v[0] - '0';
   if (out == nullptr) return make_status(StatusCode::kInvalidArgument, "ep_create: out is null");
   *out = nullptr;
   if (comm == nullptr) return make_status(StatusCode::kInvalidArgument, "ep_create: comm is null");
@@ -92,9 +99,10 @@ Status ep_create(ncclComm_t comm, const EpConfig& config, EpContext** out) {
   // Every rank checks its own config first, then all ranks compare: a rank with a bad config
   // still joins the all-gather, so no peer hangs in it.
   Status local = check_config(config, world);
-  constexpr int kFields = 8;  // the EpConfig fields every rank must agree on, then "config valid"
-  const int64_t mine[kFields] = {config.max_tokens, config.d, config.n, config.E, config.K,
-                                 config.comm_blocks, config.recv_capacity, local.ok() ? 1 : 0};
+  constexpr int kFields = 9;  // the EpConfig fields every rank must agree on, then "config valid"
+  const int64_t mine[kFields] = {config.max_tokens, config.d,           config.n,
+                                 config.E,          config.K,           config.comm_blocks,
+                                 config.recv_capacity, config.overlap, local.ok() ? 1 : 0};
   // (barrier_timeout_ms may differ between ranks: it only bounds this rank's own waits.)
   int64_t* dev = nullptr;
   SMOE_CUDA_RETURN(cudaMalloc(&dev, sizeof(mine) * (world + 1)));
@@ -121,9 +129,9 @@ Status ep_create(ncclComm_t comm, const EpConfig& config, EpContext** out) {
       return make_status(StatusCode::kInvalidArgument,
                          concat("ep_create: rank ", r, "'s EpConfig (max_tokens ", o[0], ", d ", o[1],
                                 ", n ", o[2], ", E ", o[3], ", K ", o[4], ", comm_blocks ", o[5],
-                                ", recv_capacity ", o[6], ") differs from rank ", rank, "'s (", mine[0],
-                                ", ", mine[1], ", ", mine[2], ", ", mine[3], ", ", mine[4], ", ", mine[5],
-                                ", ", mine[6], "): every rank must pass the same"));
+                                ", recv_capacity ", o[6], ", overlap ", o[7], ") differs from rank ", rank,
+                                "'s (", mine[0], ", ", mine[1], ", ", mine[2], ", ", mine[3], ", ", mine[4],
+                                ", ", mine[5], ", ", mine[6], ", ", mine[7], "): every rank must pass the same"));
   }
 
   auto* c = new EpContext;
@@ -176,6 +184,13 @@ Status ep_create(ncclComm_t comm, const EpConfig& config, EpContext** out) {
     return fail(make_status(StatusCode::kNotImplemented,
                             concat("ep_create: the NVLink (LSA) team has ", c->dev_comm.lsaSize,
                                    " of ", world, " ranks; multi-node EP is not implemented")));
+  if (config.overlap) {
+    st = detail::cuda_status(cudaStreamCreateWithFlags(&c->side, cudaStreamNonBlocking), "cudaStreamCreate(side)");
+    if (st.ok()) st = detail::cuda_status(cudaEventCreateWithFlags(&c->fork, cudaEventDisableTiming), "cudaEventCreate(fork)");
+    if (st.ok())
+      st = detail::cuda_status(cudaEventCreateWithFlags(&c->x_ready, cudaEventDisableTiming), "cudaEventCreate(x_ready)");
+    if (!st.ok()) return fail(st);
+  }
   // Zeroed window: a peer's first read of the counts region never sees garbage.
   st = detail::cuda_status(cudaMemset(c->window_base, 0, c->layout.bytes), "cudaMemset(window)");
   if (st.ok()) st = detail::cuda_status(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
@@ -198,6 +213,9 @@ Status ep_destroy(EpContext* c) {
   if (c->window != nullptr)
     keep(nccl_status(ncclCommWindowDeregister(c->comm, c->window), "ncclCommWindowDeregister"));
   if (c->window_base != nullptr) keep(nccl_status(ncclMemFree(c->window_base), "ncclMemFree"));
+  if (c->x_ready != nullptr) keep(detail::cuda_status(cudaEventDestroy(c->x_ready), "cudaEventDestroy(x_ready)"));
+  if (c->fork != nullptr) keep(detail::cuda_status(cudaEventDestroy(c->fork), "cudaEventDestroy(fork)"));
+  if (c->side != nullptr) keep(detail::cuda_status(cudaStreamDestroy(c->side), "cudaStreamDestroy(side)"));
   delete c;
   return first;
 }

@@ -34,6 +34,10 @@ struct EpContext {
   EpWindowLayout layout;
   MoEShape local_shape;
   uint64_t timeout_cycles = 0;  // EpConfig::barrier_timeout_ms at this device's SM clock
+  // EpConfig::overlap: the backward's x pass runs on `side`, forked from the caller's stream after
+  // the dout pass (`fork`) and joined through `x_ready`. Created once here: no per-call allocation.
+  cudaStream_t side = nullptr;
+  cudaEvent_t fork = nullptr, x_ready = nullptr;
 };
 
 namespace ep {
@@ -66,10 +70,13 @@ cudaError_t launch_exchange(const EpKernelArgs& a, const int32_t* my_counts, int
 // write_meta (forward, dy null): also the local ids / scores of each sent slot, and -1 ids in this
 // rank's own unused slots; scores may be null only when this rank sends nothing (T = 0).
 // start_barrier: wait for the peers to have entered (backward; the forward's exchange did).
+// x may be null (the backward's dout pass with EpConfig::overlap). report_capacity: set
+// kStatusEpCapacityExceeded when a slot is past the receive capacity (the forward and the
+// roundtrip; the backward's passes repeat the forward's layout and do not report it again).
 cudaError_t launch_dispatch(const EpKernelArgs& a, const int32_t* all_counts,
                             const int32_t* send_pos, const bf16* x, const bf16* dy,
                             const int32_t* expert, const float* scores, bool write_meta,
-                            bool start_barrier, int blocks, cudaStream_t stream);
+                            bool start_barrier, bool report_capacity, int blocks, cudaStream_t stream);
 // Combine push: rows of y (local layer output, [cap][d], slot order) received from source
 // s != rank go back to s's comb region row `rank`; ds ([cap][Kl]) likewise when not null.
 cudaError_t launch_combine(const EpKernelArgs& a, const int32_t* all_counts, const bf16* y,

@@ -7,7 +7,10 @@
 //   * dispatch and combine end with a barrier per block (acq_rel): once the kernel has finished on
 //     this rank, every peer block has finished its stores into this rank's window, and the next
 //     kernel on the stream reads them;
-//   * the backward's dispatch starts with a barrier (it has no exchange before it).
+//   * the backward's dispatch starts with a barrier (it has no exchange before it). With
+//     EpConfig::overlap it is two passes: dout (start barrier) on the caller's stream, then x
+//     (no start barrier: the dout pass's barriers already ordered it after the peers' previous
+//     reads) on the context's side stream, never both at once, so their barriers do not mix.
 // The grid of dispatch / combine is the same on every rank (EpConfig::comm_blocks), or block b
 // would wait for a peer block that never runs.
 //
@@ -156,7 +159,8 @@ __global__ void exchange_kernel(EpKernelArgs a, const int32_t* my_counts, int32_
 // Warp per token: the token's row goes once to every rank that holds one of its experts.
 __global__ void __launch_bounds__(kCommThreads) dispatch_kernel(
     EpKernelArgs a, const int32_t* all_counts, const int32_t* send_pos, const bf16* x,
-    const bf16* dy, const int32_t* ids, const float* scores, bool write_meta, bool start_barrier) {
+    const bf16* dy, const int32_t* ids, const float* scores, bool write_meta, bool start_barrier,
+    bool report_capacity) {
   Barrier bar(ncclCoopCta(), a.dev_comm, ncclTeamTagLsa(), blockIdx.x);
   if (start_barrier && !ep_sync(bar, cuda::memory_order_relaxed, a)) return;
   const int R = a.world;
@@ -182,7 +186,7 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_kernel(
   const int vpr = a.d / 8;  // 16-byte vectors per row
   bool dropped = false;     // a slot past the receive capacity (EpConfig::recv_capacity)
   for (int64_t t = warp; t < a.T; t += nwarps) {
-    const uint4* xs = reinterpret_cast<const uint4*>(x) + t * vpr;
+    const uint4* xs = x ? reinterpret_cast<const uint4*>(x) + t * vpr : nullptr;  // null: the dout pass
     const uint4* ys = dy ? reinterpret_cast<const uint4*>(dy) + t * vpr : nullptr;
     for (int q = 0; q < R; ++q) {
       const int pos = send_pos[q * a.T + t];
@@ -192,8 +196,10 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_kernel(
         dropped = true;
         continue;
       }
-      uint4* xd = reinterpret_cast<uint4*>(peer[q] + a.lay.recv_x) + slot * vpr;
-      for (int v = lane; v < vpr; v += 32) xd[v] = xs[v];
+      if (xs) {
+        uint4* xd = reinterpret_cast<uint4*>(peer[q] + a.lay.recv_x) + slot * vpr;
+        for (int v = lane; v < vpr; v += 32) xd[v] = xs[v];
+      }
       if (ys) {
         uint4* yd = reinterpret_cast<uint4*>(peer[q] + a.lay.recv_dy) + slot * vpr;
         for (int v = lane; v < vpr; v += 32) yd[v] = ys[v];
@@ -234,7 +240,7 @@ __global__ void __launch_bounds__(kCommThreads) dispatch_kernel(
       my_sc[i] = 0.f;
     }
   }
-  if (__syncthreads_or(dropped) && !dy && threadIdx.x == 0 && a.flags != nullptr)
+  if (__syncthreads_or(dropped) && report_capacity && threadIdx.x == 0 && a.flags != nullptr)
     atomicOr(a.flags, kStatusEpCapacityExceeded);
   ep_sync(bar, cuda::memory_order_acq_rel, a);
 }
@@ -362,9 +368,9 @@ cudaError_t launch_exchange(const EpKernelArgs& a, const int32_t* my_counts, int
 cudaError_t launch_dispatch(const EpKernelArgs& a, const int32_t* all_counts,
                             const int32_t* send_pos, const bf16* x, const bf16* dy,
                             const int32_t* expert, const float* scores, bool write_meta,
-                            bool start_barrier, int blocks, cudaStream_t stream) {
+                            bool start_barrier, bool report_capacity, int blocks, cudaStream_t stream) {
   dispatch_kernel<<<blocks, kCommThreads, 0, stream>>>(a, all_counts, send_pos, x, dy, expert,
-                                                       scores, write_meta, start_barrier);
+                                                       scores, write_meta, start_barrier, report_capacity);
   return cudaGetLastError();
 }
 

@@ -159,7 +159,8 @@ Status ep_roundtrip(EpContext* c, const EpRoundtripArgs& a, cudaStream_t stream)
                  "ep layout");
   SMOE_EP_LAUNCH(ep::launch_exchange(k, ws.my_counts, ws.all_counts, stream), "ep exchange");
   SMOE_EP_LAUNCH(ep::launch_dispatch(k, ws.all_counts, ws.send_pos, a.x, nullptr, ws.ids, nullptr,
-                                     /*write_meta=*/false, /*start_barrier=*/false, c->config.comm_blocks, stream),
+                                     /*write_meta=*/false, /*start_barrier=*/false, /*report_capacity=*/true,
+                                     c->config.comm_blocks, stream),
                  "ep dispatch");
   SMOE_EP_LAUNCH(ep::launch_combine(k, ws.all_counts, recv, nullptr, c->config.comm_blocks, stream),
                  "ep combine");
@@ -218,7 +219,8 @@ Status ep_forward(EpContext* c, const EpForwardArgs& a, cudaStream_t stream) {
                  "ep layout");
   SMOE_EP_LAUNCH(ep::launch_exchange(k, ws.my_counts, sv.all_counts, stream), "ep exchange");
   SMOE_EP_LAUNCH(ep::launch_dispatch(k, sv.all_counts, sv.send_pos, a.x, nullptr, sv.ids, a.scores,
-                                     /*write_meta=*/true, /*start_barrier=*/false, c->config.comm_blocks, stream),
+                                     /*write_meta=*/true, /*start_barrier=*/false, /*report_capacity=*/true,
+                                     c->config.comm_blocks, stream),
                  "ep dispatch");
   SMOE_RETURN_IF_ERROR(moe_forward(la, stream));
   SMOE_EP_LAUNCH(ep::launch_combine(k, sv.all_counts, ws.y, nullptr, c->config.comm_blocks, stream),
@@ -269,11 +271,28 @@ Status ep_backward(EpContext* c, const EpBackwardArgs& a, cudaStream_t stream) {
   lb.status = a.status;  // a bad saved state is reported there (when given)
 
   // x is dispatched again with dout (same slots: the layout is the forward's), so the forward
-  // keeps no copy of the received tokens.
-  SMOE_EP_LAUNCH(ep::launch_dispatch(k, sv.all_counts, sv.send_pos, a.x, a.dout, sv.ids, nullptr,
-                                     /*write_meta=*/false, /*start_barrier=*/true, c->config.comm_blocks, stream),
+  // keeps no copy of the received tokens. With overlap, dout goes first and x follows on the side
+  // stream while dA' and dW2 (which read only dout) run; the layer waits for x_ready before dW1.
+  const bool overlap = c->config.overlap != 0 && c->side != nullptr;
+  SMOE_EP_LAUNCH(ep::launch_dispatch(k, sv.all_counts, sv.send_pos, overlap ? nullptr : a.x, a.dout, sv.ids,
+                                     nullptr, /*write_meta=*/false, /*start_barrier=*/true,
+                                     /*report_capacity=*/false, c->config.comm_blocks, stream),
                  "ep dispatch (backward)");
-  SMOE_RETURN_IF_ERROR(moe_backward(lb, stream));
+  if (overlap) {
+    SMOE_CUDA_RETURN(cudaEventRecord(c->fork, stream));
+    SMOE_CUDA_RETURN(cudaStreamWaitEvent(c->side, c->fork, 0));
+    SMOE_EP_LAUNCH(ep::launch_dispatch(k, sv.all_counts, sv.send_pos, a.x, nullptr, sv.ids, nullptr,
+                                       /*write_meta=*/false, /*start_barrier=*/false,
+                                       /*report_capacity=*/false, c->config.comm_blocks, c->side),
+                   "ep dispatch (backward, x)");
+    SMOE_CUDA_RETURN(cudaEventRecord(c->x_ready, c->side));
+    lb.x_ready = c->x_ready;
+  }
+  const Status layer_status = moe_backward(lb, stream);
+  // Join the side stream whatever the layer did: the combine below, and the caller's next call,
+  // must come after the x pass.
+  if (overlap) SMOE_CUDA_RETURN(cudaStreamWaitEvent(stream, c->x_ready, 0));
+  SMOE_RETURN_IF_ERROR(layer_status);
   SMOE_EP_LAUNCH(ep::launch_combine(k, sv.all_counts, ws.dx, ws.ds, c->config.comm_blocks, stream),
                  "ep combine (backward)");
   SMOE_EP_LAUNCH(ep::launch_reduce(k, sv.all_counts, sv.send_pos, ws.dx, a.dx, ws.ds, sv.ids,

@@ -96,6 +96,7 @@ Status moe_backward(const MoEBackwardArgs& a, cudaStream_t stream) {
                                         stream);
   };
   if (s.T == 0) {  // no token: every weight gradient is zero (they are overwritten, never accumulated)
+    if (a.x_ready != nullptr) SMOE_CUDA_RETURN(cudaStreamWaitEvent(stream, a.x_ready, 0));
     SMOE_CUDA_RETURN(cudaMemsetAsync(a.dw1, 0, w1_bytes, stream));
     if (two) SMOE_CUDA_RETURN(cudaMemsetAsync(a.dw3, 0, w1_bytes, stream));
     SMOE_CUDA_RETURN(cudaMemsetAsync(a.dw2, 0, tb.w2, stream));
@@ -160,6 +161,8 @@ Status moe_backward(const MoEBackwardArgs& a, cudaStream_t stream) {
   }
   profile::mark("dW2", stream);
 
+  // x may still be arriving (MoEBackwardArgs::x_ready, expert parallelism): nothing above reads it.
+  if (a.x_ready != nullptr) SMOE_CUDA_RETURN(cudaStreamWaitEvent(stream, a.x_ready, 0));
   if (!provided) {
     cublasHandle_t h;
     SMOE_RETURN_IF_ERROR(blas::prepare(stream, w.cublas, &h));

@@ -179,7 +179,7 @@ void run_one_gpu(const Problem& p, Result* res) {
 
 // One rank of EP: `repeats` forward + backward calls; every repeat must be bitwise identical.
 void run_rank(const Problem& p, ncclComm_t comm, int rank, int64_t max_tokens, int repeats,
-              int64_t capacity, uint32_t allowed_flags, Result* res, std::string* err) {
+              int64_t capacity, uint32_t allowed_flags, Result* res, std::string* err, int overlap = 1) {
   auto fail = [&](const std::string& m) { *err = "rank " + std::to_string(rank) + ": " + m; };
   if (cudaSetDevice(rank) != cudaSuccess) return fail("cudaSetDevice");
   smoe::EpConfig cfg;
@@ -189,6 +189,7 @@ void run_rank(const Problem& p, ncclComm_t comm, int rank, int64_t max_tokens, i
   cfg.E = p.E;
   cfg.K = p.K;
   cfg.recv_capacity = capacity;
+  cfg.overlap = overlap;
   smoe::EpContext* ctx = nullptr;
   smoe::Status s = smoe::ep_create(comm, cfg, &ctx);
   if (!s.ok()) return fail(s.message);
@@ -370,6 +371,31 @@ TEST(GpuEp, ReceiveCapacityDropsDeterministically) {
   check_ep(p, 300, 3, 330);
 }
 
+// EpConfig::overlap: the backward's x pass on the context's side stream (dA' and dW2 under it) must
+// give bitwise what one pass of x and dout first gives, on every rank, and write every element.
+TEST(GpuEp, BackwardOverlapMatchesOneStreamBitwise) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed=" + std::to_string(seed));
+  const Problem p = make_problem(256, 128, 32, 4, {700, 513}, Routing::kRandom, seed);
+  std::vector<Result> on(g_world), off(g_world);
+  std::vector<std::string> err_on(g_world), err_off(g_world);
+  on_every_rank([&](int r, ncclComm_t comm) { run_rank(p, comm, r, 1024, 3, 0, 0u, &on[r], &err_on[r], 1); });
+  on_every_rank([&](int r, ncclComm_t comm) { run_rank(p, comm, r, 1024, 1, 0, 0u, &off[r], &err_off[r], 0); });
+  auto same = [](const std::vector<float>& a, const std::vector<float>& b) {
+    return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * 4) == 0;
+  };
+  for (int r = 0; r < g_world; ++r) {
+    ASSERT_TRUE(err_on[r].empty()) << err_on[r];
+    ASSERT_TRUE(err_off[r].empty()) << err_off[r];
+    EXPECT_TRUE(all_finite(on[r].dx) && all_finite(on[r].dw1) && all_finite(on[r].dw2)) << "rank " << r;
+    EXPECT_TRUE(same(on[r].out, off[r].out)) << "rank " << r << " out";
+    EXPECT_TRUE(same(on[r].dx, off[r].dx)) << "rank " << r << " dx";
+    EXPECT_TRUE(same(on[r].dscores, off[r].dscores)) << "rank " << r << " dscores";
+    EXPECT_TRUE(same(on[r].dw1, off[r].dw1)) << "rank " << r << " dw1";
+    EXPECT_TRUE(same(on[r].dw2, off[r].dw2)) << "rank " << r << " dw2";
+  }
+}
+
 TEST(GpuEp, BitwiseRepeatable100) {
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed=" + std::to_string(seed));
@@ -531,10 +557,24 @@ TEST(GpuEp, BadConfigIsAnErrorOnEveryRankNoHang) {
     c.E = 2 * g_world + 1;  // not a multiple of the world size (every rank)
     s = smoe::ep_create(comm, c, &ctx);
     err[r] += s.ok() ? "|ok" : "|" + s.message;
+    c.E = 8;
+    c.overlap = r == 0 ? 0 : 1;  // ranks disagree on the backward overlap
+    s = smoe::ep_create(comm, c, &ctx);
+    err[r] += s.ok() ? "|ok" : "|" + s.message;
+    smoe::ep_destroy(ctx);
+    c.overlap = 2;  // not 0 or 1 (every rank)
+    s = smoe::ep_create(comm, c, &ctx);
+    err[r] += s.ok() ? "|ok" : "|" + s.message;
   });
   for (int r = 0; r < g_world; ++r) {
     EXPECT_NE(err[r].find("differs from rank"), std::string::npos) << err[r];
     EXPECT_NE(err[r].find("config.E = "), std::string::npos) << err[r];
+    // The third create (ranks disagree only on overlap) must fail as a mismatch, the fourth on the
+    // rule: messages are joined by '|', so the mismatch must appear after the second '|'.
+    const size_t third = err[r].find('|', err[r].find('|') + 1);
+    ASSERT_NE(third, std::string::npos) << err[r];
+    EXPECT_NE(err[r].find("differs from rank", third), std::string::npos) << "overlap mismatch not caught: " << err[r];
+    EXPECT_NE(err[r].find("config.overlap = 2 must be 0 or 1"), std::string::npos) << err[r];
   }
 }
 

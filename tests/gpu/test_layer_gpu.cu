@@ -653,8 +653,9 @@ TEST(GpuLayer, WeightGradientPathsAgree) {
 }
 
 // Gate/up as two tensors (MoEWeights::w3, torchtitan's layout) against the interleaved layer on the
-// same weights: out, A'-derived dW2 and the router gradient bitwise (every element is the same sum
-// in the same order), dw1 / dw3 equal to the interleaved dW1's even / odd rows (tight bound: the
+// same weights: out and A'-derived dW2 bitwise (every element is the same sum in the same order),
+// the router gradient within 1e-3 (dS sums its terms in another order), dw1 / dw3 equal to the
+// interleaved dW1's even / odd rows (tight bound: the
 // same reductions over rows), dx within the bf16 bound (dX~ sums K as gate block then up block).
 // Both dW1 paths: the engine's (n <= 256) and CUTLASS (n = 320). A backward whose
 // layout differs from its forward's is a bad saved state: NaN gradients and the flag.
@@ -705,12 +706,15 @@ TEST(GpuLayer, GateUpTwoTensorsMatchInterleaved) {
     auto same = [](const std::vector<bf16>& x, const std::vector<bf16>& y) {
       return x.size() == y.size() && std::memcmp(x.data(), y.data(), x.size() * sizeof(bf16)) == 0;
     };
-    // Expected bitwise (see GpuEngine.GateUpTwoTensors); asserted to 1e-6, a bit difference noted.
-    for (auto [name, got, want] : {std::make_tuple("out", &g.out, &ref.out), std::make_tuple("dw2", &g.dw2, &ref.dw2),
-                                   std::make_tuple("dw_router", &g.dwr, &ref.dwr)}) {
+    // out and dw2: expected bitwise (see GpuEngine.GateUpTwoTensors); asserted to 1e-6, a bit
+    // difference noted. dw_router: the halves dSwiGLU sums dS over the same terms in another order
+    // (fp32), so a bf16 rounding of dW_r may flip: 1e-3, far inside the bf16 bound.
+    for (auto [name, got, want, tol] : {std::make_tuple("out", &g.out, &ref.out, 1e-6),
+                                        std::make_tuple("dw2", &g.dw2, &ref.dw2, 1e-6),
+                                        std::make_tuple("dw_router", &g.dwr, &ref.dwr, 1e-3)}) {
       const std::vector<bf16> a = got->download(), w = want->download();
       if (!same(a, w)) std::printf("[ note ] %s: not bitwise equal to the interleaved layer\n", name);
-      EXPECT_LT(rel_l2(to_float(a), to_float(w)), 1e-6) << name;
+      EXPECT_LT(rel_l2(to_float(a), to_float(w)), tol) << name;
     }
     const std::vector<float> d1 = to_float(dw1g.download()), d3 = to_float(dw3u.download()),
                              di = to_float(ref.dw1.download());
