@@ -31,6 +31,10 @@ struct Result {
   // Host time to enqueue (the calls return before the GPU finishes), median over the timed
   // fwd+bwd reps. When it comes near the GPU time, the GPU waits on the host between kernels.
   double host_fwd_enqueue_ms = 0, host_bwd_enqueue_ms = 0;
+  // The fwd+bwd reps split by an event between the two calls (median of each part). bwd_ms is
+  // median(fwd+bwd) - median(fwd alone); these tell whether a gap between bwd_ms and the stage sum
+  // sits in the backward itself or in a forward that runs slower after a backward.
+  double pair_fwd_ms = 0, pair_bwd_ms = 0;
 };
 
 // router: "topk" (default) or a token-rounding mode "nr", "up", "down", "sr".
