@@ -36,7 +36,7 @@ run_step() {  # name, command...
   result[$name]="rc=$rc $(( $(date +%s) - t ))s"
   return $rc
 }
-SMALL_ENGINE='GpuEngine.StoreWeightsNK:GpuEngine.SwiGLUGathered:GpuEngine.DSwiGLUGathered:GpuEngine.VarlenK:GpuEngine.ZeroRows'
+SMALL_ENGINE='GpuEngine.StoreWeightsNK:GpuEngine.SwiGLUGathered:GpuEngine.DSwiGLUGathered:GpuEngine.GateUpTwoTensors:GpuEngine.VarlenK:GpuEngine.ZeroRows'
 run_step ctest bash -c "cd $BUILD && ctest --output-on-failure -j 4 -E gpu_tests"
 run_step engine $BUILD/test_gpu --gtest_filter='GpuEngine.*'
 run_step gpu $BUILD/test_gpu --gtest_filter='-GpuEngine.*'
