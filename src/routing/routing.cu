@@ -2,7 +2,7 @@
 //
 // Pipeline (all on `stream`, no host sync, no allocation):
 //   1. topk_softmax_kernel: one warp per token. Lane l holds logits l, l+32, ... (E <= 512, so at
-//      most 16 per lane, in registers). K rounds of a warp arg-max over (value desc, index asc)
+//      most 16 per lane, in registers; the instance holds per_lane_for(E) of them). K rounds of a warp arg-max over (value desc, index asc)
 //      pick the experts; lane k keeps choice k, so the softmax over the K chosen is one warp sum.
 //      NaN / Inf logits are recorded in the sticky DeviceStatus (integer atomics only).
 //   2. iota -> CUB radix sort of (expert, entry) pairs on the low ceil(log2 E) bits. LSD radix sort
@@ -26,7 +26,7 @@ namespace {
 constexpr int kWarpsPerBlock = 8;
 constexpr int kThreads = 256;
 
-template <typename TIn>
+template <typename TIn, int kPerLane>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32)
     topk_softmax_kernel(const TIn* __restrict__ logits, int64_t T, int E, int K,
                         float* __restrict__ scores, int32_t* __restrict__ topk_expert,
@@ -34,7 +34,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
   const int lane = threadIdx.x & 31;
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
   if (t >= T) return;  // whole warps exit together
-  routing::WarpTopK r;
+  routing::WarpTopK<kPerLane> r;
   routing::warp_topk_softmax(logits + t * E, E, K, lane, &r);
   if (lane < K) {
     scores[t * K + lane] = r.score;
@@ -273,14 +273,16 @@ Status topk_routing(const RoutingProblem& p, const void* logits, const RoutingOu
   SMOE_RETURN_IF_ERROR(check_routing_call(fn, p, o, workspace, workspace_bytes, &ws));
 
   if (T > 0) {
-    const int64_t blocks = (T + kWarpsPerBlock - 1) / kWarpsPerBlock;
-    if (p.logits_dtype == DType::kFloat32) {
-      topk_softmax_kernel<float><<<static_cast<unsigned>(blocks), kWarpsPerBlock * 32, 0, stream>>>(
-          static_cast<const float*>(logits), T, E, K, o.scores, o.topk_expert, o.status);
-    } else {
-      topk_softmax_kernel<bf16><<<static_cast<unsigned>(blocks), kWarpsPerBlock * 32, 0, stream>>>(
-          static_cast<const bf16*>(logits), T, E, K, o.scores, o.topk_expert, o.status);
-    }
+    const unsigned blocks = static_cast<unsigned>((T + kWarpsPerBlock - 1) / kWarpsPerBlock);
+    routing::with_per_lane(E, [&](auto per_lane) {
+      constexpr int J = decltype(per_lane)::value;
+      if (p.logits_dtype == DType::kFloat32)
+        topk_softmax_kernel<float, J><<<blocks, kWarpsPerBlock * 32, 0, stream>>>(
+            static_cast<const float*>(logits), T, E, K, o.scores, o.topk_expert, o.status);
+      else
+        topk_softmax_kernel<bf16, J><<<blocks, kWarpsPerBlock * 32, 0, stream>>>(
+            static_cast<const bf16*>(logits), T, E, K, o.scores, o.topk_expert, o.status);
+    });
     SMOE_CHECK_LAUNCH("topk_softmax_kernel");
   }
   return group_entries(p, o, ws, workspace, /*has_empty=*/false, stream);

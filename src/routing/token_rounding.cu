@@ -80,7 +80,6 @@ constexpr int kThreads = 256;
 static_assert(kBins % kSelectThreads == 0, "bins are split evenly over the select block");
 static_assert(kMaxExperts <= kScanThreads, "rounding_offsets_kernel: one thread per expert");
 
-using routing::kMaxPerLane;
 using routing::load_logit;
 
 // NaN ranks below every number (and is reported by topk_kernel); the same substitution everywhere a
@@ -137,7 +136,7 @@ __device__ __forceinline__ uint64_t order_key(double x) {
 }
 
 // ---- 1. top-K, row statistics, chosen bitmap ----------------------------------------------------
-template <typename TIn>
+template <typename TIn, int kPerLane>
 __global__ void __launch_bounds__(kTopkThreads)
     topk_kernel(const TIn* __restrict__ logits, int64_t T, int E, int K, int64_t W,
                 float* __restrict__ topk_score, int32_t* __restrict__ topk_expert,
@@ -155,7 +154,7 @@ __global__ void __launch_bounds__(kTopkThreads)
     const TIn* row = logits + t * E;
 
     // --- the top-K softmax of topk_routing (routing/warp_topk.cuh: bit-identical) ---
-    routing::WarpTopK r;
+    routing::WarpTopK<kPerLane> r;
     routing::warp_topk_softmax(row, E, K, lane, &r);
     const float my_val = r.val;
     const float mx = __shfl_sync(0xffffffffu, my_val, 0);  // the first choice is the row maximum
@@ -165,7 +164,7 @@ __global__ void __launch_bounds__(kTopkThreads)
       atomicOr(&mask[r.idx], 1u << i);  // K <= E: r.idx is a real expert
     }
     routing::record_nonfinite(r.nonfinite, lane, t, status);
-    const float (&v)[kMaxPerLane] = r.v;
+    const float (&v)[kPerLane] = r.v;
 
     // --- float64 ranking data (see the file comment) ---
     // l - mx: the reference's own float64 operation on the same values (exact for fp32 operands
@@ -179,7 +178,7 @@ __global__ void __launch_bounds__(kTopkThreads)
     // Softmax denominator over all E: lane partial sums then a fixed butterfly (deterministic).
     double z = 0.0;
 #pragma unroll
-    for (int j = 0; j < kMaxPerLane; ++j)
+    for (int j = 0; j < kPerLane; ++j)
       if (lane + 32 * j < E) z += exp(static_cast<double>(v[j]) - mxd);
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) z += __shfl_xor_sync(0xffffffffu, z, off);
@@ -644,9 +643,11 @@ Status launch(const TokenRoundingProblem& p, const TIn* logits, const TokenRound
   const int E = p.num_experts, K = p.top_k;
   SMOE_CUDA_RETURN(cudaMemsetAsync(pl.kept_m, 0, sizeof(uint32_t) * static_cast<size_t>(T) * pl.EW,
                                    stream));
-  topk_kernel<TIn><<<static_cast<unsigned>(pl.W), kTopkThreads, 0, stream>>>(
-      logits, T, E, K, pl.W, o.topk_score, o.topk_expert, pl.chosen_t, pl.row_max, pl.row_sum,
-      pl.chosen_key, o.status);
+  routing::with_per_lane(E, [&](auto per_lane) {
+    topk_kernel<TIn, decltype(per_lane)::value><<<static_cast<unsigned>(pl.W), kTopkThreads, 0, stream>>>(
+        logits, T, E, K, pl.W, o.topk_score, o.topk_expert, pl.chosen_t, pl.row_max, pl.row_sum,
+        pl.chosen_key, o.status);
+  });
   SMOE_CHECK_LAUNCH("topk_kernel");
   expert_count_kernel<<<E, kThreads, 0, stream>>>(pl.chosen_t, pl.W, pl.fcount);
   SMOE_CHECK_LAUNCH("expert_count_kernel");

@@ -182,8 +182,10 @@ void check_case(const Case& c) {
 }  // namespace
 
 TEST(GpuRouting, SmallShapesAllPatterns) {
+  // E on both sides of every per-lane instance boundary (warp_topk.cuh: 1, 2, 4, 8, 16 logits a
+  // lane for E <= 32, 64, 128, 256, 512): 32 | 33, 64 | 65, 128 | 129, 256 | 257.
   for (int64_t T : {1, 7, 129, 1000}) {
-    for (int E : {8, 64, 128, 256, 512}) {
+    for (int E : {8, 32, 33, 64, 65, 128, 129, 256, 257, 512}) {
       for (int K : {1, 2, 8, 16}) {
         if (K > E) continue;
         for (Pattern pat : {Pattern::kNormal, Pattern::kTies, Pattern::kHotExpert}) {
