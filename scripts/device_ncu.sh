@@ -10,6 +10,9 @@
 # NCU_KERNEL (a regex on the kernel name: profile only those, e.g. 'VarlenKKernel'), NCU_SECTIONS
 # (more sections, e.g. 'SchedulerStats MemoryWorkloadAnalysis SourceCounters InstructionStats';
 # their human-readable page goes to ncu_<config>_details.txt).
+# NCU_FLAGS: more ncu words, e.g. '--clock-control none' (kernel times at the clocks the bench sees).
+# NCU_SOURCE=1 adds the SourceCounters section and writes ncu_<config>_source.csv: per SASS instruction
+# of every profiled kernel, its warp-stall samples by reason (where a kernel waits, line by line).
 # Logs and CSVs to $OUT and $OUT/device_ncu.tgz.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -26,6 +29,8 @@ for cfg in "${cfgs[@]}"; do
   t0=$(date +%s)
   extra=()
   for sec in ${NCU_SECTIONS:-}; do extra+=(--section "$sec"); done
+  [ "${NCU_SOURCE:-0}" = 1 ] && extra+=(--section SourceCounters)
+  for f in ${NCU_FLAGS:-}; do extra+=("$f"); done  # e.g. '--clock-control none' (ncu locks base clocks)
   [ -n "${NCU_KERNEL:-}" ] && extra+=(--kernel-name "regex:$NCU_KERNEL")
   env ${NCU_ENV:-} timeout "${NCU_TIMEOUT:-240}" ncu -f -o "$REP/ncu_$tag" --section SpeedOfLight --section WarpStateStats \
     --section Occupancy "${extra[@]}" --launch-count "${NCU_LAUNCHES:-60}" build-device/bench_layer --only "$cfg" \
@@ -34,6 +39,8 @@ for cfg in "${cfgs[@]}"; do
   # The raw page: every collected metric as a column, one row per kernel (bench/ncu_summary.py).
   ncu --import "$REP/ncu_$tag.ncu-rep" --csv --page raw >"$OUT/ncu_$tag.csv" 2>>"$OUT/ncu_$tag.log"
   python3 bench/ncu_summary.py "$OUT/ncu_$tag.csv" | tee "$OUT/ncu_$tag.md"
+  [ "${NCU_SOURCE:-0}" = 1 ] &&
+    ncu --import "$REP/ncu_$tag.ncu-rep" --page source --print-source sass --csv >"$OUT/ncu_${tag}_source.csv" 2>>"$OUT/ncu_$tag.log"
   [ -n "${NCU_SECTIONS:-}" ] && ncu --import "$REP/ncu_$tag.ncu-rep" --page details >"$OUT/ncu_${tag}_details.txt" 2>&1
 done
 # The reports themselves (.ncu-rep, for the Nsight Compute GUI) only with NCU_KEEP_REPORTS=1 (size).

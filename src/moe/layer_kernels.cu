@@ -18,6 +18,7 @@
 #include <cuda_bf16.h>
 
 #include "common/check.h"
+#include "common/grid_stride.h"
 #include "moe/layer_kernels.h"
 
 namespace smoe {
@@ -32,11 +33,7 @@ union Pack8 {
 };
 
 
-unsigned grid_for(int64_t n) {
-  int64_t g = (n + kThreads - 1) / kThreads;
-  if (g > 65536) g = 65536;  // grid-stride loops cover the rest
-  return static_cast<unsigned>(g < 1 ? 1 : g);
-}
+unsigned grid_for(int64_t n) { return detail::grid_blocks(n, kThreads); }
 
 // dst[r] = src[idx[r]], 16 bytes per thread (for the CUTLASS weight-gradient path only).
 __global__ void gather_rows_kernel(const bf16* __restrict__ src, int64_t vec_per_row,
@@ -46,8 +43,7 @@ __global__ void gather_rows_kernel(const bf16* __restrict__ src, int64_t vec_per
   const uint4* s = reinterpret_cast<const uint4*>(src);
   uint4* o = reinterpret_cast<uint4*>(dst);
   const int64_t total = rows * vec_per_row;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+  for (int64_t i = detail::grid_first(); i < total; i += detail::grid_step()) {
     const int64_t r = i / vec_per_row, c = i - r * vec_per_row;
     o[i] = __ldg(s + static_cast<int64_t>(idx[r]) * vec_per_row + c);
   }
@@ -58,8 +54,7 @@ __global__ void aggregate_kernel(const bf16* __restrict__ Y, const float* __rest
                                  const int32_t* __restrict__ rev, const int32_t* __restrict__ token_offset,
                                  int64_t vec_per_row, int64_t T, bf16* __restrict__ out) {
   const int64_t total = T * vec_per_row;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+  for (int64_t i = detail::grid_first(); i < total; i += detail::grid_step()) {
     const int64_t t = i / vec_per_row, c = i - t * vec_per_row;
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     const int32_t end = token_offset[t + 1];
@@ -91,8 +86,7 @@ __global__ void ds_rowsum_kernel(const float* __restrict__ partial, int tiles,
                                  const int32_t* valid) {
   if (valid != nullptr && *valid == 0) return;
   const int64_t used = *nnz;
-  for (int64_t r = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; r < rows;
-       r += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+  for (int64_t r = detail::grid_first(); r < rows; r += detail::grid_step()) {
     const int32_t entry = scatter[r];
     if (r >= used) {  // no GEMM row: an empty slot of provided routing (or nothing, entry -1)
       if (entry >= 0) dS[entry] = 0.f;
@@ -110,8 +104,7 @@ __global__ void router_backward_kernel(const float* __restrict__ dS, const float
                                        float* __restrict__ dl, bf16* __restrict__ dlogits_dense,
                                        const int32_t* valid) {
   if (valid != nullptr && *valid == 0) return;
-  for (int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; t < T;
-       t += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+  for (int64_t t = detail::grid_first(); t < T; t += detail::grid_step()) {
     // s_k (dS_k - sum_j s_j dS_j) = s_k sum_{j != k} s_j (dS_k - dS_j): no cancellation when
     // one score saturates at 1 (the plain form loses every digit there). O(K^2), K <= 16.
     for (int k = 0; k < K; ++k) {
@@ -200,8 +193,7 @@ __global__ void dx_kernel(const bf16* __restrict__ dXt, const int32_t* __restric
                           bf16* __restrict__ dx, const int32_t* valid) {
   if (valid != nullptr && *valid == 0) return;
   const int64_t total = T * vec_per_row;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+  for (int64_t i = detail::grid_first(); i < total; i += detail::grid_step()) {
     const int64_t t = i / vec_per_row, c = i - t * vec_per_row;
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     const int32_t end = token_offset[t + 1];
@@ -271,14 +263,12 @@ struct FillSpans {
 __global__ void nan_fill_kernel(const int32_t* valid, FillSpans f) {
   if (*valid != 0) return;
   for (int s = 0; s < f.n; ++s)
-    for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < f.words[s];
-         i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    for (int64_t i = detail::grid_first(); i < f.words[s]; i += detail::grid_step())
       f.p[s][i] = 0xFFFFFFFFu;
 }
 
 __global__ void f32_to_bf16_kernel(const float* __restrict__ in, bf16* __restrict__ out, int64_t n) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+  for (int64_t i = detail::grid_first(); i < n; i += detail::grid_step())
     out[i] = __float2bfloat16_rn(in[i]);
 }
 
@@ -315,7 +305,8 @@ Status nan_fill_if_invalid(const int32_t* valid, std::initializer_list<FillSpan>
     ++f.n;
   }
   if (f.n == 0) return Status{};
-  nan_fill_kernel<<<grid_for(most), kThreads, 0, stream>>>(valid, f);
+  // Valid (the usual case): every block reads the flag and returns, so the grid stays small.
+  nan_fill_kernel<<<detail::grid_blocks(most, kThreads, detail::kGridCapGated), kThreads, 0, stream>>>(valid, f);
   SMOE_CHECK_LAUNCH("nan_fill_kernel");
   return Status{};
 }

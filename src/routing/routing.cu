@@ -16,6 +16,7 @@
 #include <cub/device/device_radix_sort.cuh>
 
 #include "common/check.h"
+#include "common/grid_stride.h"
 #include "routing/routing_rules.h"
 #include "routing/warp_topk.cuh"
 #include "smoe/smoe.h"
@@ -44,8 +45,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
 }
 
 __global__ void iota_kernel(uint32_t* __restrict__ p, int64_t n) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+  for (int64_t i = detail::grid_first(); i < n; i += detail::grid_step())
     p[i] = static_cast<uint32_t>(i);
 }
 
@@ -76,8 +76,7 @@ __global__ void inverse_kernel(const int32_t* __restrict__ scatter, int64_t n, i
                                const int32_t* __restrict__ nnz, int32_t* __restrict__ reverse,
                                int32_t* __restrict__ gather) {
   const int64_t used = nnz ? *nnz : n;
-  for (int64_t r = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; r < n;
-       r += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+  for (int64_t r = detail::grid_first(); r < n; r += detail::grid_step()) {
     const int32_t s = scatter[r];
     reverse[s] = r < used ? static_cast<int32_t>(r) : -1;
     gather[r] = r < used ? s / K : 0;
@@ -85,8 +84,7 @@ __global__ void inverse_kernel(const int32_t* __restrict__ scatter, int64_t n, i
 }
 
 __global__ void token_offset_kernel(int32_t* __restrict__ token_offset, int64_t T, int K) {
-  for (int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; t <= T;
-       t += static_cast<int64_t>(gridDim.x) * blockDim.x)
+  for (int64_t t = detail::grid_first(); t <= T; t += detail::grid_step())
     token_offset[t] = static_cast<int32_t>(t * K);
 }
 
@@ -97,8 +95,7 @@ __global__ void token_offset_kernel(int32_t* __restrict__ token_offset, int64_t 
 __global__ void provided_slots_kernel(const int32_t* __restrict__ expert_in, const float* __restrict__ scores_in,
                                       int64_t T, int E, int K, int32_t* __restrict__ expert_out,
                                       float* __restrict__ scores_out, DeviceStatus* status) {
-  for (int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; t < T;
-       t += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+  for (int64_t t = detail::grid_first(); t < T; t += detail::grid_step()) {
     int32_t ids[kMaxTopK];
     uint32_t flags = 0;
     for (int k = 0; k < K; ++k) {
@@ -159,11 +156,8 @@ Status plan_workspace(const RoutingProblem& p, RoutingWorkspace* ws) {
   return Status{};
 }
 
-int grid_for(int64_t n, int threads, int cap = 4096) {
-  int64_t g = (n + threads - 1) / threads;
-  if (g < 1) g = 1;
-  return static_cast<int>(g < cap ? g : cap);
-}
+// Routing's kernels cap their grids at 4096 blocks (grid-stride loops cover the rest).
+unsigned grid_for(int64_t n, int threads) { return detail::grid_blocks(n, threads, 4096); }
 
 }  // namespace
 

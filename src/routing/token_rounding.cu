@@ -57,6 +57,7 @@
 #include <cub/block/block_scan.cuh>
 
 #include "common/check.h"
+#include "common/grid_stride.h"
 #include "common/workspace.h"
 #include "routing/routing_rules.h"
 #include "routing/warp_topk.cuh"
@@ -542,8 +543,7 @@ __global__ void __launch_bounds__(kThreads)
   for (int i = threadIdx.x; i <= E; i += kThreads) off[i] = expert_offset[i];
   __syncthreads();
   const int64_t nnz = off[E];
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < cap;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+  for (int64_t i = detail::grid_first(); i < cap; i += detail::grid_step()) {
     if (i < nnz) {
       // Expert of row i: the last e with off[e] <= i (upper_bound - 1; skips empty experts).
       int lo = 0, hi = E + 1;
@@ -630,11 +630,8 @@ Plan make_plan(const TokenRoundingProblem& p, void* base) {
   return pl;
 }
 
-int grid_for(int64_t n, int threads, int cap = 4096) {
-  int64_t g = (n + threads - 1) / threads;
-  if (g < 1) g = 1;
-  return static_cast<int>(g < cap ? g : cap);
-}
+// Routing's kernels cap their grids at 4096 blocks (grid-stride loops cover the rest).
+unsigned grid_for(int64_t n, int threads) { return detail::grid_blocks(n, threads, 4096); }
 
 template <typename TIn>
 Status launch(const TokenRoundingProblem& p, const TIn* logits, const TokenRoundingOutputs& o,

@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include "common/grid_stride.h"
 #include "smoe/smoe.h"
 
 namespace {
@@ -398,4 +399,15 @@ TEST(RoutingValidation, ProvidedRoutingRejectsBeforeLaunch) {
   o.reverse_scatter_idx = nullptr;
   expect_error(smoe::provided_routing(p, ids, sc, o, ws, 1 << 20, nullptr), C::kInvalidArgument,
                "outputs.reverse_scatter_idx");
+}
+
+// The grid helper caps every elementwise launch; a flag-gated kernel (nan_fill: nothing to do on a
+// valid backward) gets the small cap. At the large one its 65536 blocks cost 0.3 ms per backward.
+TEST(GridStride, BlocksAreCapped) {
+  using smoe::detail::grid_blocks;
+  EXPECT_EQ(grid_blocks(0, 256), 1u);
+  EXPECT_EQ(grid_blocks(1000, 256), 4u);
+  EXPECT_EQ(grid_blocks(int64_t{1} << 40, 256), static_cast<unsigned>(smoe::detail::kGridCapWork));
+  EXPECT_EQ(grid_blocks(int64_t{1} << 40, 256, smoe::detail::kGridCapGated), 1024u);
+  EXPECT_LE(smoe::detail::kGridCapGated * 256, int64_t{1} << 20);  // gated grids stay ~1 wave
 }
