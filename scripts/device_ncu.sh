@@ -31,7 +31,9 @@ for cfg in "${cfgs[@]}"; do
   for sec in ${NCU_SECTIONS:-}; do extra+=(--section "$sec"); done
   [ "${NCU_SOURCE:-0}" = 1 ] && extra+=(--section SourceCounters)
   for f in ${NCU_FLAGS:-}; do extra+=("$f"); done  # e.g. '--clock-control none' (ncu locks base clocks)
-  [ -n "${NCU_KERNEL:-}" ] && extra+=(--kernel-name "regex:$NCU_KERNEL")
+  # The regex is matched against the demangled name (the default, the bare function name, is
+  # engine_kernel for every engine instance).
+  [ -n "${NCU_KERNEL:-}" ] && extra+=(--kernel-name-base demangled --kernel-name "regex:$NCU_KERNEL")
   env ${NCU_ENV:-} timeout "${NCU_TIMEOUT:-240}" ncu -f -o "$REP/ncu_$tag" --section SpeedOfLight --section WarpStateStats \
     --section Occupancy "${extra[@]}" --launch-count "${NCU_LAUNCHES:-60}" build-device/bench_layer --only "$cfg" \
     --warmup 0 --reps 1 >"$OUT/ncu_$tag.log" 2>&1
@@ -40,7 +42,8 @@ for cfg in "${cfgs[@]}"; do
   ncu --import "$REP/ncu_$tag.ncu-rep" --csv --page raw >"$OUT/ncu_$tag.csv" 2>>"$OUT/ncu_$tag.log"
   python3 bench/ncu_summary.py "$OUT/ncu_$tag.csv" | tee "$OUT/ncu_$tag.md"
   [ "${NCU_SOURCE:-0}" = 1 ] &&
-    ncu --import "$REP/ncu_$tag.ncu-rep" --page source --print-source sass --csv >"$OUT/ncu_${tag}_source.csv" 2>>"$OUT/ncu_$tag.log"
+    ncu --import "$REP/ncu_$tag.ncu-rep" --page source --print-source sass --csv >"$OUT/ncu_${tag}_source.csv" 2>>"$OUT/ncu_$tag.log" &&
+    python3 bench/ncu_source_top.py "$OUT/ncu_${tag}_source.csv" --top 30 >"$OUT/ncu_${tag}_source_top.txt" 2>&1
   [ -n "${NCU_SECTIONS:-}" ] && ncu --import "$REP/ncu_$tag.ncu-rep" --page details >"$OUT/ncu_${tag}_details.txt" 2>&1
 done
 # The reports themselves (.ncu-rep, for the Nsight Compute GUI) only with NCU_KEEP_REPORTS=1 (size).
