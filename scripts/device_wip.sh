@@ -14,6 +14,9 @@
 #   cluster: the varlen-M GEMMs with the heuristic's cluster and with SMOE_ENGINE_CLUSTER=2, on
 #   bench/cluster_sweep_configs.json (12-48 MiB of gate/up per expert) and Qwen3-235B (exactly 24 MiB,
 #   the threshold, so no cluster by default): where the 2-CTA B multicast starts to pay.
+#   envs: bench_layer once per word of WIP_ENV_SWEEP (VAR=value[,VAR=value], or "default"), e.g.
+#   'SMOE_ENGINE_PREFETCH=0 default SMOE_ENGINE_PREFETCH=4 SMOE_DW_PATH=engine', on WIP_ENV_CONFIGS
+#   (default WIP_CONFIGS); one log per word.
 # WIP_STEPS (default "tests bench torch") picks steps 3-5, e.g. two calls: "tests bench", then "torch"
 # (a warm machine keeps build-device/; the patches apply again without harm: already-applied ones
 # are skipped). Logs to $OUT and $OUT/device_wip.tgz. Nothing is committed: land a patch only if its
@@ -82,6 +85,18 @@ if has dw && [ -x build-device/bench_layer ]; then  # the weight-gradient path: 
       --warmup 2 --reps 5 >"$OUT/wip_dw_$mode.log" 2>&1
     echo "== SMOE_DW_PATH=$path"
     sed -n '/^per-stage/,$p' "$OUT/wip_dw_$mode.log" | sed -E 's/ +fwd\.[^ ]+//g; s/ +bwd\.(dA_proj|router_bwd|dX_proj|dx_sum)=[^ ]+//g'
+    pack_wip
+  done
+fi
+if has envs && [ -x build-device/bench_layer ]; then  # one bench_layer run per VAR=value word
+  for kv in ${WIP_ENV_SWEEP:-default}; do
+    tag=$(echo "$kv" | tr -c 'A-Za-z0-9\n' '_')
+    if [ "$kv" = default ]; then envs=(); else IFS=, read -r -a envs <<<"$kv"; fi  # A=1,B=2: both
+    env ${envs[@]+"${envs[@]}"} timeout 200 build-device/bench_layer --only "${WIP_ENV_CONFIGS:-$CONFIGS}" --warmup 2 --reps 5 \
+      >"$OUT/wip_env_$tag.log" 2>&1
+    echo "== $kv"
+    sed -n '/^per-stage/,/^host/p' "$OUT/wip_env_$tag.log" |
+      sed -E 's/ +(fwd|bwd)\.(router_gemm|routing|aggregate|router_bwd|dx_sum|nan_guard)=[^ ]+//g'
     pack_wip
   done
 fi
