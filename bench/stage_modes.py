@@ -7,7 +7,8 @@ Each LOG is bench_layer's stdout (its "per-stage median ms" block); the table ha
 import re
 import sys
 
-STAGES = ["fwd.up_proj", "fwd.down_proj", "bwd.dA_proj", "bwd.dX_proj", "bwd.dW1", "bwd.dW2"]
+STAGES = ["fwd.routing", "fwd.up_proj", "fwd.down_proj", "fwd.aggregate", "bwd.gather_dout", "bwd.dA_proj",
+          "bwd.dW2", "bwd.dW1", "bwd.dX_proj", "bwd.dx_sum"]
 
 
 def parse(path):
@@ -26,8 +27,14 @@ def main():
     print("| config | stage | " + " | ".join(n for n, _ in runs) + " |")
     print("|---|---|" + "---|" * len(runs))
     for cfg in runs[0][1]:
-        for st in STAGES:
-            vals = [r[cfg].get(st) if cfg in r else None for _, r in runs]
+        # "all stages": the sum of every stage of the run (forward and backward), the layer's time.
+        for st in STAGES + ["all stages"]:
+            if st == "all stages":
+                vals = [sum(r[cfg].values()) if cfg in r else None for _, r in runs]
+            else:
+                vals = [r[cfg].get(st) if cfg in r else None for _, r in runs]
+            if all(v is None for v in vals):
+                continue  # a stage no run has (bwd.gather_dout only where dW2 reads gathered rows)
             best = min(v for v in vals if v is not None)
             cells = [("**%.3f**" % v if v == best else "%.3f" % v) if v is not None else "-" for v in vals]
             print(f"| {cfg} | {st} | " + " | ".join(cells) + " |")

@@ -16,7 +16,7 @@
 #   the threshold, so no cluster by default): where the 2-CTA B multicast starts to pay.
 #   envs: bench_layer once per word of WIP_ENV_SWEEP (VAR=value[,VAR=value], or "default"), e.g.
 #   'SMOE_ENGINE_PREFETCH=0 default SMOE_ENGINE_PREFETCH=4 SMOE_DW_PATH=engine', on WIP_ENV_CONFIGS
-#   (default WIP_CONFIGS); one log per word.
+#   (default WIP_CONFIGS); one log per word, and wip_env_table.md with every run side by side.
 # WIP_STEPS (default "tests bench torch") picks steps 3-5, e.g. two calls: "tests bench", then "torch"
 # (a warm machine keeps build-device/; the patches apply again without harm: already-applied ones
 # are skipped). Logs to $OUT and $OUT/device_wip.tgz. Nothing is committed: land a patch only if its
@@ -99,6 +99,14 @@ if has envs && [ -x build-device/bench_layer ]; then  # one bench_layer run per 
       sed -E 's/ +(fwd|bwd)\.(router_gemm|routing|aggregate|router_bwd|dx_sum|nan_guard)=[^ ]+//g'
     pack_wip
   done
+  # Every run of this call side by side, per config and stage (bench/stage_modes.py).
+  runs=()
+  for kv in ${WIP_ENV_SWEEP:-default}; do
+    tag=$(echo "$kv" | tr -c 'A-Za-z0-9\n' '_')
+    runs+=("$tag=$OUT/wip_env_$tag.log")
+  done
+  python3 bench/stage_modes.py "${runs[@]}" >"$OUT/wip_env_table.md" 2>&1 && cat "$OUT/wip_env_table.md"
+  pack_wip
 fi
 if has cluster && [ -x build-device/bench_layer ]; then
   for c in default 2; do
