@@ -52,47 +52,58 @@ if has torch; then
   (timeout 400 python3 -m pip install --no-build-isolation --no-deps -q . >"$OUT/wip_pip.log" 2>&1; echo $? >"$OUT/wip_pip.rc") &
   pip_pid=$!
 fi
-STEPS=none bash scripts/device_check.sh 2>&1 | grep -E "build:|error" | head -20
-[ -x build-device/test_gpu ] || { echo "no test binary: build failed"; exit 1; }
+# WIP_PREBUILT=<dir>: test_gpu / bench_layer (/ test_ep) built on the CPU machine with the same
+# patches (scripts/prebuild_wip.sh) and carried; used if they start here, which saves the ~80 s
+# build of every first call. Otherwise (or if they do not start) the usual build.
+BIN=build-device
+if [ -n "${WIP_PREBUILT:-}" ] && [ -x "$WIP_PREBUILT/test_gpu" ] &&
+   "$WIP_PREBUILT/test_gpu" --gtest_list_tests >/dev/null 2>&1; then
+  BIN=$WIP_PREBUILT
+  echo "prebuilt binaries from $BIN: no build ($(cat "$BIN/PREBUILT" 2>/dev/null))"
+else
+  [ -n "${WIP_PREBUILT:-}" ] && echo "prebuilt binaries in $WIP_PREBUILT do not start here: building"
+  STEPS=none bash scripts/device_check.sh 2>&1 | grep -E "build:|error" | head -20
+fi
+[ -x $BIN/test_gpu ] || { echo "no test binary: build failed"; exit 1; }
 if has tests; then
-  timeout "${WIP_TEST_TIMEOUT:-400}" build-device/test_gpu \
+  timeout "${WIP_TEST_TIMEOUT:-400}" $BIN/test_gpu \
     --gtest_filter="${WIP_TEST_FILTER:-GpuEngine.*:GpuBadInput.*:GpuLayer.*:GpuLayerRouting.*}" >"$OUT/wip_tests.log" 2>&1
   echo "tests rc=$?"
   grep -E "^\[  (PASSED|FAILED)|^\[  FAILED|Failure|Expected|Which is" "$OUT/wip_tests.log" | head -40
   pack_wip
 fi
-if has ep1 && [ -x build-device/test_ep ]; then
-  timeout 120 build-device/test_ep >"$OUT/wip_ep1.log" 2>&1
+if has ep1 && [ -x $BIN/test_ep ]; then
+  timeout 120 $BIN/test_ep >"$OUT/wip_ep1.log" 2>&1
   echo "test_ep (one GPU) rc=$?"; grep -E "SKIPPED|PASSED|FAILED|Failure" "$OUT/wip_ep1.log" | head -10
   pack_wip
 fi
 # No timing while the torch build still compiles next to it (host load perturbs launch-bound stages).
 [ -n "$pip_pid" ] && { has bench || has dw; } && wait "$pip_pid"
 CONFIGS="${WIP_CONFIGS:-1.4B n256 E128 K8,30B n256 E256 K16,OLMoE-7B,Qwen3-235B,DeepSeek-V3.2}"
-if has bench && [ -x build-device/bench_layer ]; then
+if has bench && [ -x $BIN/bench_layer ]; then
   for mode in interleaved two; do
     if [ "$mode" = two ]; then export SMOE_BENCH_GATE_UP=two; else unset SMOE_BENCH_GATE_UP; fi
-    timeout 200 build-device/bench_layer --only "$CONFIGS" --warmup 2 --reps 5 >"$OUT/wip_bench_$mode.log" 2>&1
+    timeout 200 $BIN/bench_layer --only "$CONFIGS" --warmup 2 --reps 5 >"$OUT/wip_bench_$mode.log" 2>&1
     echo "== $mode"; grep -oE "^[^ ].*|up_proj=[0-9.]+|dA_proj=[0-9.]+|dW1=[0-9.]+|dX_proj=[0-9.]+" "$OUT/wip_bench_$mode.log" | head -40
   done
   unset SMOE_BENCH_GATE_UP
   pack_wip
 fi
-if has dw && [ -x build-device/bench_layer ]; then  # the weight-gradient path: engine vs CUTLASS
+if has dw && [ -x $BIN/bench_layer ]; then  # the weight-gradient path: engine vs CUTLASS
   for mode in engine cutlass engine_tma; do
     path=$mode
-    SMOE_DW_PATH=$path timeout 200 build-device/bench_layer --only "${WIP_DW_CONFIGS:-$CONFIGS}" \
+    SMOE_DW_PATH=$path timeout 200 $BIN/bench_layer --only "${WIP_DW_CONFIGS:-$CONFIGS}" \
       --warmup 2 --reps 5 >"$OUT/wip_dw_$mode.log" 2>&1
     echo "== SMOE_DW_PATH=$path"
     sed -n '/^per-stage/,$p' "$OUT/wip_dw_$mode.log" | sed -E 's/ +fwd\.[^ ]+//g; s/ +bwd\.(dA_proj|router_bwd|dX_proj|dx_sum)=[^ ]+//g'
     pack_wip
   done
 fi
-if has envs && [ -x build-device/bench_layer ]; then  # one bench_layer run per VAR=value word
+if has envs && [ -x $BIN/bench_layer ]; then  # one bench_layer run per VAR=value word
   for kv in ${WIP_ENV_SWEEP:-default}; do
     tag=$(echo "$kv" | tr -c 'A-Za-z0-9\n' '_')
     if [ "$kv" = default ]; then envs=(); else IFS=, read -r -a envs <<<"$kv"; fi  # A=1,B=2: both
-    env ${envs[@]+"${envs[@]}"} timeout 200 build-device/bench_layer --only "${WIP_ENV_CONFIGS:-$CONFIGS}" --warmup 2 --reps 5 \
+    env ${envs[@]+"${envs[@]}"} timeout 200 $BIN/bench_layer --only "${WIP_ENV_CONFIGS:-$CONFIGS}" --warmup 2 --reps 5 \
       >"$OUT/wip_env_$tag.log" 2>&1
     echo "== $kv"
     sed -n '/^per-stage/,/^host/p' "$OUT/wip_env_$tag.log" |
@@ -108,13 +119,13 @@ if has envs && [ -x build-device/bench_layer ]; then  # one bench_layer run per 
   python3 bench/stage_modes.py "${runs[@]}" >"$OUT/wip_env_table.md" 2>&1 && cat "$OUT/wip_env_table.md"
   pack_wip
 fi
-if has cluster && [ -x build-device/bench_layer ]; then
+if has cluster && [ -x $BIN/bench_layer ]; then
   for c in default 2; do
     for cfgs in bench/cluster_sweep_configs.json bench/configs.json; do
       only=""; [ "$cfgs" = bench/configs.json ] && only="--only Qwen3-235B"
       tag=$(basename "$cfgs" .json)
       if [ "$c" = 2 ]; then export SMOE_ENGINE_CLUSTER=2; else unset SMOE_ENGINE_CLUSTER; fi
-      timeout 200 build-device/bench_layer --configs "$cfgs" $only --warmup 2 --reps 5 >"$OUT/wip_cluster_${c}_$tag.log" 2>&1
+      timeout 200 $BIN/bench_layer --configs "$cfgs" $only --warmup 2 --reps 5 >"$OUT/wip_cluster_${c}_$tag.log" 2>&1
       echo "== cluster $c ($tag)"
       sed -n '/^per-stage/,$p' "$OUT/wip_cluster_${c}_$tag.log" |
         sed -E 's/ +(fwd|bwd)\.(router_gemm|routing|aggregate|dW2|router_bwd|dW1|dx_sum)=[^ ]+//g'
