@@ -2,7 +2,8 @@
 # Builds the GPU test and benchmark binaries of HEAD + every docs/wip patch here, on the CPU machine,
 # into prebuilt/ (git-ignored), so that the next device call skips its ~80 s build:
 #   bash scripts/prebuild_wip.sh                      # ~12 min on 2 cores the first time, then incremental
-#   (device tool, carry ["prebuilt"])  WIP_PREBUILT=prebuilt ... bash scripts/device_wip.sh
+#   (device tool, carry ["prebuilt", ".deps/googletest", ".deps/cutlass-4.2.0.0/cutlass_library/source/include"])
+#   WIP_PREBUILT=prebuilt ... bash scripts/device_wip.sh
 # The tree is a clone of this checkout's HEAD (commit first) in build-prebuilt/src, reset and patched
 # on every run; the CMake build dir build-prebuilt/build stays, so a second run rebuilds only what
 # changed. prebuilt/PREBUILT records the commit and the patches. device_wip.sh falls back to its own
@@ -27,8 +28,10 @@ for p in "$WORK"/src/docs/wip/*.patch; do
 done
 cmake -S "$WORK/src" -B "$WORK/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -Wno-dev \
   -DSMOE_GTEST_SOURCE_DIR="$ROOT/.deps/googletest" -DSMOE_CUTLASS_DIR="$CUTLASS_SRC" >/dev/null
+# test_gpu + bench_layer are 31 MB: with .deps/googletest and the CUTLASS headers (31 MB, for the
+# fallback build) that still fits the device tool's 64 MiB carry; test_ep (16 MB) only on request.
 targets=(test_gpu bench_layer)
-ninja -C "$WORK/build" -t targets all 2>/dev/null | grep -q '^test_ep:' && targets+=(test_ep)
+if [ "${PREBUILD_EP:-0}" = 1 ]; then targets+=(test_ep); else rm -f "$ROOT/prebuilt/test_ep"; fi
 ninja -C "$WORK/build" "${targets[@]}"
 mkdir -p "$ROOT/prebuilt"
 for t in "${targets[@]}"; do cp "$WORK/build/$t" "$ROOT/prebuilt/"; done
