@@ -17,15 +17,18 @@ CUTLASS_SRC="$ROOT/.deps/cutlass-$CUTLASS_PIP_VERSION/cutlass_library/source"
 WORK="$ROOT/build-prebuilt"
 mkdir -p "$WORK"
 if [ ! -d "$WORK/src/.git" ]; then git clone -q "$ROOT" "$WORK/src"; fi
-git -C "$WORK/src" fetch -q "$ROOT" HEAD
-git -C "$WORK/src" reset -q --hard FETCH_HEAD
-git -C "$WORK/src" clean -qfd
+# The same HEAD and patches as the last run: leave the tree alone (a reset would touch every file's
+# time and rebuild everything).
+stamp="$(git rev-parse HEAD) $(cat docs/wip/*.patch 2>/dev/null | sha1sum | cut -c1-12)"
 patches=()
-for p in "$WORK"/src/docs/wip/*.patch; do
-  [ -e "$p" ] || continue
-  git -C "$WORK/src" apply "$p"
-  patches+=("$(basename "$p")")
-done
+for p in docs/wip/*.patch; do [ -e "$p" ] && patches+=("$(basename "$p")"); done
+if [ "$(cat "$WORK/STAMP" 2>/dev/null)" != "$stamp" ]; then
+  git -C "$WORK/src" fetch -q "$ROOT" HEAD
+  git -C "$WORK/src" reset -q --hard FETCH_HEAD
+  git -C "$WORK/src" clean -qfd
+  for p in "${patches[@]}"; do git -C "$WORK/src" apply "docs/wip/$p"; done
+  echo "$stamp" >"$WORK/STAMP"
+fi
 cmake -S "$WORK/src" -B "$WORK/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -Wno-dev \
   -DSMOE_GTEST_SOURCE_DIR="$ROOT/.deps/googletest" -DSMOE_CUTLASS_DIR="$CUTLASS_SRC" >/dev/null
 # test_gpu + bench_layer are 31 MB: with .deps/googletest and the CUTLASS headers (31 MB, for the
