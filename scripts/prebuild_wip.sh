@@ -17,9 +17,10 @@ CUTLASS_SRC="$ROOT/.deps/cutlass-$CUTLASS_PIP_VERSION/cutlass_library/source"
 WORK="$ROOT/build-prebuilt"
 mkdir -p "$WORK"
 if [ ! -d "$WORK/src/.git" ]; then git clone -q "$ROOT" "$WORK/src"; fi
-# The same HEAD and patches as the last run: leave the tree alone (a reset would touch every file's
-# time and rebuild everything).
-stamp="$(git rev-parse HEAD) $(cat docs/wip/*.patch 2>/dev/null | sha1sum | cut -c1-12)"
+# The same code and patches as the last run (a commit of docs alone changes neither): leave the
+# tree alone (a reset would touch every file's time and rebuild everything).
+code=$(git ls-tree -r HEAD -- src tests bench apps cmake CMakeLists.txt | sha1sum | cut -c1-12)
+stamp="$code $(cat docs/wip/*.patch 2>/dev/null | sha1sum | cut -c1-12)"
 patches=()
 for p in docs/wip/*.patch; do [ -e "$p" ] && patches+=("$(basename "$p")"); done
 if [ "$(cat "$WORK/STAMP" 2>/dev/null)" != "$stamp" ]; then
