@@ -306,7 +306,8 @@ Status nan_fill_if_invalid(const int32_t* valid, std::initializer_list<FillSpan>
   }
   if (f.n == 0) return Status{};
   // Valid (the usual case): every block reads the flag and returns, so the grid stays small.
-  nan_fill_kernel<<<detail::grid_blocks(most, kThreads, detail::kGridCapGated), kThreads, 0, stream>>>(valid, f);
+  const unsigned blocks = detail::grid_blocks(most, kThreads, detail::kGridCapGated);
+  nan_fill_kernel<<<blocks, kThreads, 0, stream>>>(valid, f);
   SMOE_CHECK_LAUNCH("nan_fill_kernel");
   return Status{};
 }

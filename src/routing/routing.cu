@@ -2,9 +2,10 @@
 //
 // Pipeline (all on `stream`, no host sync, no allocation):
 //   1. topk_softmax_kernel: one warp per token. Lane l holds logits l, l+32, ... (E <= 512, so at
-//      most 16 per lane, in registers; the instance holds per_lane_for(E) of them). K rounds of a warp arg-max over (value desc, index asc)
-//      pick the experts; lane k keeps choice k, so the softmax over the K chosen is one warp sum.
-//      NaN / Inf logits are recorded in the sticky DeviceStatus (integer atomics only).
+//      most 16 per lane, in registers; the kernel instance holds per_lane_for(E) of them). K
+//      rounds of a warp arg-max over (value desc, index asc) pick the experts; lane k keeps
+//      choice k, so the softmax over the K chosen is one warp sum. NaN / Inf logits are recorded
+//      in the sticky DeviceStatus (integer atomics only).
 //   2. iota -> CUB radix sort of (expert, entry) pairs on the low ceil(log2 E) bits. LSD radix sort
 //      is stable, so rows of one expert come out in entry (t*K+k) order: the scatter index.
 //   3. offsets_kernel: expert_offset[e] = lower_bound(sorted experts, e) by binary search,

@@ -655,10 +655,10 @@ TEST(GpuLayer, WeightGradientPathsAgree) {
 // Gate/up as two tensors (MoEWeights::w3, torchtitan's layout) against the interleaved layer on the
 // same weights: out and A'-derived dW2 bitwise (every element is the same sum in the same order),
 // the router gradient within 1e-3 (dS sums its terms in another order), dw1 / dw3 equal to the
-// interleaved dW1's even / odd rows (tight bound: the
-// same reductions over rows), dx within the bf16 bound (dX~ sums K as gate block then up block).
-// Both dW1 paths: the engine's (n <= 256) and CUTLASS (n = 320). A backward whose
-// layout differs from its forward's is a bad saved state: NaN gradients and the flag.
+// interleaved dW1's even / odd rows (tight bound: the same reductions over rows), dx within the
+// bf16 bound (dX~ sums K as gate block then up block). dW1 runs the default path (engine_tma,
+// dw_path.h) at both n. A backward whose layout differs from its forward's is a bad saved state:
+// NaN in every element of every gradient, and the flag.
 TEST(GpuLayer, GateUpTwoTensorsMatchInterleaved) {
   for (const smoe::MoEShape& s : {smoe::MoEShape{1000, 256, 128, 32, 4}, smoe::MoEShape{600, 256, 320, 8, 2}}) {
     const uint64_t seed = fresh_seed();
