@@ -36,13 +36,13 @@ run_step() {  # name, command...
   result[$name]="rc=$rc $(( $(date +%s) - t ))s"
   return $rc
 }
-SMALL_ENGINE='GpuEngine.StoreWeightsNK:GpuEngine.SwiGLUGathered:GpuEngine.DSwiGLUGathered:GpuEngine.GateUpTwoTensors:GpuEngine.VarlenK:GpuEngine.ZeroRows'
+SMALL_ENGINE='GpuEngine.StoreWeightsNK:GpuEngine.SwiGLUGathered:GpuEngine.DSwiGLUGathered:GpuEngine.GateUpTwoTensors:GpuEngine.VarlenK:GpuEngine.VarlenKCluster:GpuEngine.ZeroRows'
 run_step ctest bash -c "cd $BUILD && ctest --output-on-failure -j 4 -E gpu_tests"
 run_step engine $BUILD/test_gpu --gtest_filter='GpuEngine.*'
 run_step gpu $BUILD/test_gpu --gtest_filter='-GpuEngine.*'
 SMALL="GpuRouting.NonFinite*:GpuRouting.ZeroTokens:GpuRouting.WorkspaceTooSmall*:GpuRouting.Deterministic:GpuLayer.SmallShapes*:GpuLayer.Unsupported*:GpuLayer.GateUpTwoTensorsMatchInterleaved:GpuLayerRouting.*:GpuTokenRounding.SmallShapes*:GpuTokenRounding.ZeroTokens:GpuTokenRounding.WorkspaceTooSmall*:$SMALL_ENGINE"
 run_step memcheck compute-sanitizer --tool memcheck --error-exitcode 9 $BUILD/test_gpu --gtest_filter="$SMALL"
-run_step racecheck bash -c "compute-sanitizer --tool racecheck --error-exitcode 9 $BUILD/test_gpu --gtest_filter='GpuRouting.NonFinite*:GpuRouting.Deterministic:GpuTokenRounding.StochasticDependsOnSeed:GpuLayerRouting.ProvidedInvalid*:GpuEngine.StoreWeightsNK:GpuEngine.VarlenK' && compute-sanitizer --tool synccheck --error-exitcode 9 $BUILD/test_gpu --gtest_filter='GpuEngine.StoreWeightsNK:GpuEngine.VarlenK:GpuEngine.SwiGLUGathered'"
+run_step racecheck bash -c "compute-sanitizer --tool racecheck --error-exitcode 9 $BUILD/test_gpu --gtest_filter='GpuRouting.NonFinite*:GpuRouting.Deterministic:GpuTokenRounding.StochasticDependsOnSeed:GpuLayerRouting.ProvidedInvalid*:GpuEngine.StoreWeightsNK:GpuEngine.VarlenK:GpuEngine.VarlenKCluster' && compute-sanitizer --tool synccheck --error-exitcode 9 $BUILD/test_gpu --gtest_filter='GpuEngine.StoreWeightsNK:GpuEngine.VarlenK:GpuEngine.VarlenKCluster:GpuEngine.SwiGLUGathered'"
 run_step main $BUILD/smoe_main
 
 for k in engine gpu; do

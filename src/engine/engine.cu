@@ -142,6 +142,13 @@ const char* varlen_m_label(Epilogue epi, WeightMajor major, bool pp, int cluster
 
 int ds_partial_tiles(int N) { return (N + 127) / 128; }
 
+// The engine's runtime switches that the instantiations read (engine.h): not in the anonymous
+// namespace above, the generated instance files call them.
+bool store_streaming() {
+  const char* v = std::getenv("SMOE_ENGINE_STORE_CS");
+  return v == nullptr || std::strcmp(v, "0") != 0;
+}
+
 Choice choose_varlen_m(const VarlenMArgs& a, int sm_count) {
   const bool store = a.epilogue == Epilogue::kStore;
   const int64_t tiles256 = (a.rows / 128) * (a.N / 256);
@@ -202,15 +209,31 @@ VarlenKArgs as_gather_p(const VarlenKArgs& a) {
   return t;
 }
 
+// SMOE_ENGINE_CLUSTER_K = 1 / 2: the varlen-K cluster (a pair along M, Q multicast), forced.
+int forced_cluster_k() {
+  const char* v = std::getenv("SMOE_ENGINE_CLUSTER_K");
+  if (v == nullptr) return 0;
+  const int c = std::atoi(v);
+  return c == 1 || c == 2 ? c : 0;
+}
+
 Choice choose_varlen_k(const VarlenKArgs& a_in, int sm_count) {
   const VarlenKArgs a = as_gather_p(a_in);
-  const int64_t tiles256 = static_cast<int64_t>(a.num_experts) * ((a.M + 127) / 128) * (a.N / 256);
+  const int m_tiles = (a.M + 127) / 128;
+  const int64_t tiles256 = static_cast<int64_t>(a.num_experts) * m_tiles * (a.N / 256);
   const int forced = forced_bn("SMOE_ENGINE_BN_K");
   const bool wide = a.N % 256 == 0 && (forced ? forced == 256 : wide_tiles_fill(tiles256, sm_count));
-  if (!a_in.gather_p && !a_in.gather_q)
-    return wide ? Choice{256, false, 1, "dw_tma<256>"} : Choice{128, false, 1, "dw_tma<128>"};
-  if (a_in.gather_p) return wide ? Choice{256, false, 1, "dw_gather_p<256>"} : Choice{128, false, 1, "dw_gather_p<128>"};
-  return wide ? Choice{256, false, 1, "dw_gather_p_t<256>"} : Choice{128, false, 1, "dw_gather_p_t<128>"};
+  // A pair along M halves the Q traffic from L2 (each Q tile is re-read for every M-tile); pairs
+  // need an even M-tile count (otherwise a quarter or more of the last pair's work is padding) and
+  // are built for BN = 256 only (SMOE_ENGINE_CLUSTER_K=2 is ignored at BN = 128).
+  const int fc = forced_cluster_k();
+  const bool c2 = wide && (fc ? fc == 2 : m_tiles % 2 == 0);
+  static const char* const kLabels[3][3] = {{"dw_tma<128>", "dw_tma<256>", "dw_tma_c2<256>"},
+                                            {"dw_gather_p<128>", "dw_gather_p<256>", "dw_gather_p_c2<256>"},
+                                            {"dw_gather_p_t<128>", "dw_gather_p_t<256>", "dw_gather_p_t_c2<256>"}};
+  const int kind = !a_in.gather_p && !a_in.gather_q ? 0 : a_in.gather_p ? 1 : 2;
+  const int bn = wide ? 256 : 128;
+  return Choice{bn, false, c2 ? 2 : 1, kLabels[kind][c2 ? 2 : wide ? 1 : 0]};
 }
 
 Status varlen_m(const VarlenMArgs& a, int sm_count, cudaStream_t stream) {

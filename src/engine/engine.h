@@ -106,6 +106,9 @@ constexpr int64_t kClusterMinWeightBytes = int64_t{24} << 20;
 constexpr int kClusterMinRowsPerExpert = 512;
 Choice choose_varlen_m(const VarlenMArgs& a, int sm_count);
 Choice choose_varlen_k(const VarlenKArgs& a, int sm_count);
+// The epilogues store their outputs with L2 evict-first (st.global.cs) unless
+// SMOE_ENGINE_STORE_CS=0 (epilogue.cuh, store_out).
+bool store_streaming();
 
 
 }  // namespace engine

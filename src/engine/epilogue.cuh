@@ -36,7 +36,18 @@ struct TileCtx {
   int cols;
   int n_tile;
   bool zero;  // no K-tiles: store zeros, not the accumulator
+  bool stream_out;  // outputs by st.global.cs (store_out)
 };
+
+// One output store. stream_out: st.global.cs, L2 evict-first. The GEMM outputs (H, A, Y, dH, A',
+// dX~: 0.3-4 GB each) are read by a later kernel, never by this one, and under the default policy
+// they push out of L2 the weight tiles and gathered rows this kernel re-reads (ncu at 5639575:
+// up-proj DRAM 56%, about 3x its compulsory traffic).
+template <class V>
+__device__ __forceinline__ void store_out(V* p, const V& v, bool stream_out) {
+  if (stream_out) __stcs(p, v);
+  else *p = v;
+}
 
 __device__ __forceinline__ float silu_f(float g) { return g / (1.f + __expf(-g)); }
 
@@ -101,7 +112,8 @@ __device__ __forceinline__ void store_row_16B(bf16* row, bool row_ok, const Tile
     for (int k = 0; k < 4; ++k) w[k] = word(4 * b + k);
     quad_transpose(w);
     const int j = 4 * b + q;
-    if (row_ok && 8 * kColScale * j < t.cols) *reinterpret_cast<uint4*>(row + 8 * j) = make_uint4(w[0], w[1], w[2], w[3]);
+    if (row_ok && 8 * kColScale * j < t.cols)
+      store_out(reinterpret_cast<uint4*>(row + 8 * j), make_uint4(w[0], w[1], w[2], w[3]), t.stream_out);
   }
 }
 
@@ -222,7 +234,8 @@ struct EpiStoreT : WithoutPrefetch<EpiStoreT> {
         w[i] = t.zero ? 0u : pack_bf16x2(acc(8 * J + 2 * i), acc(8 * J + 2 * i + 1));
       octet_transpose_bf16(w);
       if (row_ok && AccPos::col_ok(t, 2 * J + jj))
-        *reinterpret_cast<uint4*>(out + static_cast<int64_t>(16 * J) * p.M) = make_uint4(w[0], w[1], w[2], w[3]);
+        store_out(reinterpret_cast<uint4*>(out + static_cast<int64_t>(16 * J) * p.M), make_uint4(w[0], w[1], w[2], w[3]),
+                  t.stream_out);
     }
   }
 };
@@ -316,9 +329,10 @@ struct EpiSwiGLUT : WithoutPrefetch<EpiSwiGLUT<kHalves>> {
         }
         quad_transpose(w);
         if (row_ok && AccPos::col_ok(t, 8 * b + 2 * q + 1))
-          *reinterpret_cast<uint4*>(arow + 32 * b + 8 * q) =
-              make_uint4(__byte_perm(w[0], w[1], 0x5410), __byte_perm(w[2], w[3], 0x5410),
-                         __byte_perm(w[0], w[1], 0x7632), __byte_perm(w[2], w[3], 0x7632));
+          store_out(reinterpret_cast<uint4*>(arow + 32 * b + 8 * q),
+                    make_uint4(__byte_perm(w[0], w[1], 0x5410), __byte_perm(w[2], w[3], 0x5410),
+                               __byte_perm(w[0], w[1], 0x7632), __byte_perm(w[2], w[3], 0x7632)),
+                    t.stream_out);
       }
     }
   }
@@ -490,9 +504,9 @@ struct EpiDSwiGLUT {
       }
       const int jq = 4 * b + q;
       if (row_ok && AccPos::col_ok(t, jq)) {
-        *reinterpret_cast<uint4*>(dgrow + 8 * jq) = make_uint4(dg[0], dg[1], dg[2], dg[3]);
-        *reinterpret_cast<uint4*>(dgrow + p.ld + 8 * jq) = make_uint4(du[0], du[1], du[2], du[3]);
-        *reinterpret_cast<uint4*>(aprow + 8 * jq) = make_uint4(ap[0], ap[1], ap[2], ap[3]);
+        store_out(reinterpret_cast<uint4*>(dgrow + 8 * jq), make_uint4(dg[0], dg[1], dg[2], dg[3]), t.stream_out);
+        store_out(reinterpret_cast<uint4*>(dgrow + p.ld + 8 * jq), make_uint4(du[0], du[1], du[2], du[3]), t.stream_out);
+        store_out(reinterpret_cast<uint4*>(aprow + 8 * jq), make_uint4(ap[0], ap[1], ap[2], ap[3]), t.stream_out);
       }
       if (b == (G / 4 - 1) / 2) mid();  // reached for every G (apply_row's hook)
     }
@@ -551,12 +565,13 @@ struct EpiDSwiGLUT {
           dh.h2[qq] = __floats2bfloat162_rn(dA * gu.y * (sig + sl * (1.f - sig)), dA * sl);
           ap[qq] = s * a;
         }
-        if (row_ok && AccPos::col_ok(t, j)) *reinterpret_cast<uint2*>(dhrow + 16 * j) = dh.u;
+        if (row_ok && AccPos::col_ok(t, j)) store_out(reinterpret_cast<uint2*>(dhrow + 16 * j), dh.u, t.stream_out);
         w[k] = pack_bf16x2(ap[0], ap[1]);
       }
       quad_transpose(w);
       const int jq = 4 * b + q;
-      if (row_ok && AccPos::col_ok(t, jq)) *reinterpret_cast<uint4*>(aprow + 8 * jq) = make_uint4(w[0], w[1], w[2], w[3]);
+      if (row_ok && AccPos::col_ok(t, jq))
+        store_out(reinterpret_cast<uint4*>(aprow + 8 * jq), make_uint4(w[0], w[1], w[2], w[3]), t.stream_out);
       if (b == (G / 4 - 1) / 2) mid();  // reached for every G
     }
     // The 4 lanes of a quad hold one row: fixed butterfly, lane 0 of the quad writes.

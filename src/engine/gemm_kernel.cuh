@@ -200,6 +200,7 @@ struct VarlenMKernel {
     const int32_t* expert_offset;
     const Bf16* a_gather;
     const int32_t* gather_idx;
+    bool store_streaming;  // outputs by st.global.cs (epilogue.cuh, store_out)
     TmaA tma_a;
     TmaB tma_b;
     TmaB tma_b2;
@@ -222,6 +223,7 @@ struct VarlenMKernel {
     p.expert_offset = offset;
     p.a_gather = reinterpret_cast<const Bf16*>(A);
     p.gather_idx = gather;
+    p.store_streaming = store_streaming();
     p.tma_a = tma_for_a(reinterpret_cast<const Bf16*>(A),
                       make_layout(make_shape(a_rows, K), make_stride(int64_t{K}, _1{})),
                       typename Cfg::SmemLayoutA{});
@@ -283,7 +285,7 @@ struct VarlenMKernel {
     Body::roles(p, s, sched, [&](const WorkTile& w, int& kt, int&) {
       kt = k_tiles;
       const int col0 = w.n_tile * Cfg::BN;
-      return TileCtx{w.row0, w.rows, col0, p.N - col0, w.n_tile, false};
+      return TileCtx{w.row0, w.rows, col0, p.N - col0, w.n_tile, false, p.store_streaming};
     });
   }
 };
@@ -291,11 +293,12 @@ struct VarlenMKernel {
 // ---- varlen-K --------------------------------------------------------------------------------
 // P gathered (cp.async; kGatherP) or contiguous (TMA), Q contiguous (TMA); Epi = EpiStore
 // (D [E][M][N]) or EpiStoreT (D [E][N][M]). The cp.async -> wgmma proxy fence only with a gather.
+// Cfg::kClusterM == 2: a pair along M, Q multicast (producer_varlen_k.cuh).
 template <class Cfg, class Epi_, bool kGatherP = true>
 struct VarlenKKernel {
-  static constexpr int kCluster = 1;
+  static constexpr int kCluster = Cfg::kClusterM;
   static_assert(!Cfg::kPingPong, "varlen-K: cooperative only (ZeroTail meets all 256 consumers)");
-  static_assert(Cfg::kClusterM == 1, "varlen-K: no cluster");
+  static_assert(!Cfg::kClusterAlongN, "varlen-K: a cluster along M only (Q multicast)");
   using Producer = ProducerVarlenK<Cfg, kGatherP>;
   using Consumer = ConsumerMma<Cfg, kGatherP>;
   using Epi = Epi_;
@@ -304,8 +307,12 @@ struct VarlenKKernel {
 
   using GmemMN = Layout<Shape<int, int>, Stride<_1, int64_t>>;  // (columns, rows), columns contiguous
   static auto tma_for(const Bf16* ptr, GmemMN gl) {
-    return make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(ptr), gl),
-                         typename Cfg::SmemLayoutB{}(_, _, Int<0>{}));
+    if constexpr (kCluster == 1)
+      return make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(ptr), gl),
+                           typename Cfg::SmemLayoutB{}(_, _, Int<0>{}));
+    else
+      return make_tma_copy(SM90_TMA_LOAD_MULTICAST{}, make_tensor(make_gmem_ptr(ptr), gl),
+                           typename Cfg::SmemLayoutB{}(_, _, Int<0>{}), Int<kCluster>{});
   }
   using TmaQ = decltype(tma_for(nullptr, GmemMN{}));
   static auto tma_for_a(const Bf16* ptr, GmemMN gl) {
@@ -321,6 +328,7 @@ struct VarlenKKernel {
     const Bf16* P;  // gathered through gather_p
     int64_t ld_p;
     const int32_t* gather_p;
+    bool store_streaming;  // outputs by st.global.cs (epilogue.cuh, store_out)
     int q_rows;     // rows of Q's tensor map (N columns, the grouped rows); P's too without a gather
     TmaQ tma_q;
     TmaP tma_p;     // !kGatherP: P by TMA (M columns, the grouped rows)
@@ -341,14 +349,21 @@ struct VarlenKKernel {
       if constexpr (!kGatherP) cute::prefetch_tma_descriptor(p.tma_p.get_tma_descriptor());
     }
     __syncthreads();
-    const VarlenKScheduler sched{p.expert_offset, p.E, p.m_tiles, p.n_tiles};
+    int rank = 0;
+    if constexpr (kCluster > 1) {  // both CTAs' barriers exist before either multicasts or arrives
+      cute::cluster_arrive_relaxed();
+      cute::cluster_wait();
+      rank = static_cast<int>(cute::block_rank_in_cluster());
+    }
+    const VarlenKScheduler<kCluster> sched{p.expert_offset, p.E, p.m_tiles, p.n_tiles, rank};
     Body::roles(p, s, sched, [&](const WorkTile& w, int& kt, int& tail) {
       kt = (w.rows + Cfg::BK - 1) / Cfg::BK;
       tail = w.rows % Cfg::BK;
       const int m0 = w.m_tile * Cfg::BM, col0 = w.n_tile * Cfg::BN;
-      const int rows = p.M - m0 < Cfg::BM ? p.M - m0 : Cfg::BM;
+      // Past M (a pair's rank-1 tile with an odd M-tile count): no rows to store.
+      const int rows = p.M - m0 < 0 ? 0 : p.M - m0 < Cfg::BM ? p.M - m0 : Cfg::BM;
       return TileCtx{static_cast<int64_t>(w.expert) * p.M + m0, rows, col0, p.N - col0, w.n_tile,
-                     kt == 0};
+                     kt == 0, p.store_streaming};
     });
   }
 };

@@ -57,10 +57,13 @@ Status run_varlen_k(const VarlenKArgs& a, int sm_count, cudaStream_t stream, con
   p.P = reinterpret_cast<const Bf16*>(a.P);
   p.ld_p = a.ld_p;
   p.gather_p = a.gather_p;
+  p.store_streaming = store_streaming();
   p.epi = epi_params_k(static_cast<Epi*>(nullptr), a);
   K::make_tma(p, reinterpret_cast<const Bf16*>(a.Q), a.ld_q, a.rows);
-  const int64_t tiles = static_cast<int64_t>(a.num_experts) * p.m_tiles * p.n_tiles;
-  return launch<K>(p, tiles, sm_count, stream, name);
+  // Units: C adjacent M-tiles of one (expert, N-tile) each (one tile without a cluster).
+  const int64_t units = static_cast<int64_t>(a.num_experts) * ((p.m_tiles + Cfg::kClusterM - 1) / Cfg::kClusterM) *
+                        p.n_tiles;
+  return launch<K>(p, units, sm_count, stream, name);
 }
 
 // The engine's instantiations, one per (kind, BN, schedule, cluster): each file generated from
@@ -96,27 +99,27 @@ struct Instance<Kind::da_dswiglu, BN, S, C> {  // gathered dO, W2 MN-major, dSwi
     return run_varlen_m<Cfg, ALoad::kGather, EpiDSwiGLU>(a, sms, s, name);
   }
 };
-template <int BN>
-using VarlenKConfig = TileConfig<BN, stages_for(BN), GMMA::Major::MN, GMMA::Major::MN>;
+template <int BN, int C>
+using VarlenKConfig = TileConfig<BN, stages_for(BN), GMMA::Major::MN, GMMA::Major::MN, false, C>;
 template <int BN, Sched S, int C>
 struct Instance<Kind::dw_gather_p, BN, S, C> {  // P gathered, Q by TMA, D [E][M][N]
-  static_assert(S == Sched::kCoop && C == 1, "varlen-K: cooperative, no cluster");
+  static_assert(S == Sched::kCoop && (C == 1 || C == 2), "varlen-K: cooperative, cluster 1 or 2 along M");
   static Status run(const VarlenKArgs& a, int sms, cudaStream_t s, const char* name) {
-    return run_varlen_k<VarlenKConfig<BN>, EpiStore>(a, sms, s, name);
+    return run_varlen_k<VarlenKConfig<BN, C>, EpiStore>(a, sms, s, name);
   }
 };
 template <int BN, Sched S, int C>
 struct Instance<Kind::dw_gather_p_t, BN, S, C> {  // P gathered, Q by TMA, D stored transposed
-  static_assert(S == Sched::kCoop && C == 1, "varlen-K: cooperative, no cluster");
+  static_assert(S == Sched::kCoop && (C == 1 || C == 2), "varlen-K: cooperative, cluster 1 or 2 along M");
   static Status run(const VarlenKArgs& a, int sms, cudaStream_t s, const char* name) {
-    return run_varlen_k<VarlenKConfig<BN>, EpiStoreT>(a, sms, s, name);
+    return run_varlen_k<VarlenKConfig<BN, C>, EpiStoreT>(a, sms, s, name);
   }
 };
 template <int BN, Sched S, int C>
 struct Instance<Kind::dw_tma, BN, S, C> {  // P and Q contiguous, both by TMA, D [E][M][N]
-  static_assert(S == Sched::kCoop && C == 1, "varlen-K: cooperative, no cluster");
+  static_assert(S == Sched::kCoop && (C == 1 || C == 2), "varlen-K: cooperative, cluster 1 or 2 along M");
   static Status run(const VarlenKArgs& a, int sms, cudaStream_t s, const char* name) {
-    return run_varlen_k<VarlenKConfig<BN>, EpiStore, false>(a, sms, s, name);
+    return run_varlen_k<VarlenKConfig<BN, C>, EpiStore, false>(a, sms, s, name);
   }
 };
 

@@ -94,9 +94,14 @@ struct GatherRowLoader {
 // (operand B) contiguous by TMA. A call with Q gathered runs as its transpose (engine.cu), so these
 // are the only arrangements needed. Without a gather both boxes come from one thread and the
 // stage's barrier has that one arrival (no cp.async ones).
+// In a cluster of 2 along M (Cfg::kClusterM) both CTAs of a pair take adjacent M-tiles of one
+// (expert, N-tile): each loads half of the Q tile and multicasts it into both, so every Q byte
+// leaves L2 once per pair (Q is re-read for every M-tile: for dW1 on engine_tma, x rows 2n/128
+// times); the stage's expected bytes stay the whole tile.
 template <class Cfg, bool kGatherP = true>
 struct ProducerVarlenK {
   static constexpr int BM = Cfg::BM, BN = Cfg::BN, BK = Cfg::BK, kStages = Cfg::kStages;
+  static constexpr int kCluster = Cfg::kClusterM;
   static constexpr uint32_t kFullArrivals = kGatherP ? 1 + kProducerThreads : 1;
   static_assert(Cfg::kMajorA == GMMA::Major::MN && Cfg::kMajorB == GMMA::Major::MN, "varlen-K: MN-major");
 
@@ -131,9 +136,16 @@ struct ProducerVarlenK {
               &s.full[ps.stage], kGatherP ? Cfg::kBytesB : Cfg::kBytesA + Cfg::kBytesB);
           Tensor gQ = local_tile(domain_offset(make_coord(n0, w.row0), mQ),
                                  make_shape(Int<BN>{}, Int<BK>{}), make_coord(0, _));
-          auto [tQg, tQs] = tma_partition(p.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sB),
-                                          group_modes<0, 2>(gQ));
-          copy(p.tma_q.with(s.full[ps.stage]), tQg(_, k), tQs(_, ps.stage));
+          if constexpr (kCluster == 1) {
+            auto [tQg, tQs] = tma_partition(p.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sB),
+                                            group_modes<0, 2>(gQ));
+            copy(p.tma_q.with(s.full[ps.stage]), tQg(_, k), tQs(_, ps.stage));
+          } else {  // this CTA's 1/C slice of Q, into the same stage of every CTA of the pair
+            auto [tQg, tQs] = tma_partition(p.tma_q, sched.rank, Layout<Int<kCluster>>{}, group_modes<0, 2>(sB),
+                                            group_modes<0, 2>(gQ));
+            copy(p.tma_q.with(s.full[ps.stage], static_cast<uint16_t>((1u << kCluster) - 1)), tQg(_, k),
+                 tQs(_, ps.stage));
+          }
           if constexpr (!kGatherP) {
             Tensor gP = local_tile(domain_offset(make_coord(m0, w.row0), mP),
                                    make_shape(Int<BM>{}, Int<BK>{}), make_coord(0, _));
@@ -152,6 +164,15 @@ struct ProducerVarlenK {
         }
         ps.template advance<kStages>();
       }
+    }
+    // Cluster: the partner's consumers arrive on this CTA's empty barriers and its multicasts land
+    // in this CTA's stages; exit only after every stage was released again (as varlen-M).
+    if constexpr (kCluster > 1) {
+      if (tid == 0)
+        for (int i = 0; i < kStages; ++i) {
+          cutlass::arch::ClusterBarrier::wait(&s.empty[ps.stage], ps.phase ^ 1u);
+          ps.template advance<kStages>();
+        }
     }
   }
 };

@@ -87,23 +87,31 @@ struct VarlenMScheduler {
 
 // varlen-K (weight gradients): a fixed grid of (expert, m_tile, n_tile), experts outermost; each
 // tile's reduction length is its expert's row count (0 for an empty expert: it stores zeros).
+// In a cluster of C (Q multicast along M) the unit is C adjacent M-tiles of one (expert, N-tile):
+// both CTAs of a pair reduce over the same rows and read the same Q tile, and rank r takes M-tile
+// unit * C + r. With an odd M-tile count the last unit's rank-1 tile lies past M: that CTA still
+// loads (its partner needs its half of Q) and multiplies, but stores nothing (TileCtx rows 0).
+template <int C = 1>
 struct VarlenKScheduler {
   const int32_t* offset;
   int num_experts;
   int m_tiles;
   int n_tiles;
+  int rank;  // this CTA's rank in its cluster (0 when C == 1)
 
-  __device__ static int first() { return static_cast<int>(blockIdx.x); }
-  __device__ static int stride() { return static_cast<int>(gridDim.x); }
-  __device__ int total_tiles() const { return num_experts * m_tiles * n_tiles; }
+  __device__ static int first() { return static_cast<int>(blockIdx.x) / C; }
+  __device__ static int stride() { return static_cast<int>(gridDim.x) / C; }
+  __device__ int m_units() const { return (m_tiles + C - 1) / C; }
+  __device__ int total_tiles() const { return num_experts * m_units() * n_tiles; }
 
   __device__ WorkTile get(int t) const {
-    const int per_expert = m_tiles * n_tiles;
+    const int per_expert = m_units() * n_tiles;
     WorkTile w;
     w.expert = t / per_expert;
     const int r = t - w.expert * per_expert;
-    w.m_tile = r / n_tiles;
-    w.n_tile = r - w.m_tile * n_tiles;
+    const int m_unit = r / n_tiles;
+    w.n_tile = r - m_unit * n_tiles;
+    w.m_tile = m_unit * C + rank;
     w.row0 = offset[w.expert];
     w.rows = offset[w.expert + 1] - w.row0;
     return w;

@@ -12,7 +12,7 @@
 // cp.async loads, not the rest of the varlen-K, starved the engine (ncu: SM 53-60%, L2 40%): the
 // same kernel on pre-gathered rows beats CUTLASS everywhere. dW1 takes engine_tma at every n; dW2
 // keeps the fused gather for n <= 512, where the gather copy (T*K*d*2 bytes each way) costs more
-// than the GEMM saves. The CUTLASS path stays behind the switch (and as v1's reference).
+// than the GEMM saves; since the varlen-K pairs (Q multicast), dW1 takes it too at n <= 256 (below). The CUTLASS path stays behind the switch (and as v1's reference).
 // SMOE_DW_PATH=engine, =cutlass or =engine_tma forces one path for both (comparisons, tests).
 #pragma once
 
@@ -43,10 +43,16 @@ inline DwPath dw2_path(const MoEShape& s) {
   return s.n <= 512 ? DwPath::kEngine : DwPath::kEngineTma;
 }
 
-inline DwPath dw1_path(const MoEShape& /*s: engine_tma won at every shape measured*/) {
+// dW1: the fused gather at n <= 256, engine_tma above. Measured on the H200 with the varlen-K
+// pairs (Q multicast) of this commit (bench/results/h200/varlen_k_c2/wip_env_table.md, ms, fused / engine_tma):
+// 1.4B n256 0.524 / 0.610, 30B n256 5.14 / 5.38, 7B n512 0.635 / 0.592, OLMoE (n 1024) 4.68 / 3.78,
+// Qwen3-235B (n 1536) 16.3 / 11.7. At small n the gather copy (2 T K d bytes each way) is a large
+// share of a GEMM with only 2n columns per row; at large n the cp.async gather starves the MMA.
+inline DwPath dw1_path(const MoEShape& s) {
   bool forced = false;
   const DwPath f = forced_dw_path(&forced);
-  return forced ? f : DwPath::kEngineTma;
+  if (forced) return f;
+  return s.n <= 256 ? DwPath::kEngine : DwPath::kEngineTma;
 }
 
 }  // namespace layer

@@ -179,24 +179,37 @@ TEST(EngineApi, TileHeuristic) {
   k.M = 2048;
   k.N = 2048;
   k.gather_q = fake<const int32_t>(0x60000);
-  EXPECT_STREQ(eng::choose_varlen_k(k, 132).name, "dw_gather_p_t<256>");
+  EXPECT_STREQ(eng::choose_varlen_k(k, 132).name, "dw_gather_p_t_c2<256>");  // 16 M-tiles: pairs
   k.gather_q = nullptr;
   k.gather_p = fake<const int32_t>(0x60000);
-  EXPECT_STREQ(eng::choose_varlen_k(k, 132).name, "dw_gather_p<256>");
+  EXPECT_STREQ(eng::choose_varlen_k(k, 132).name, "dw_gather_p_c2<256>");
+  k.gather_p = nullptr;
+  EXPECT_STREQ(eng::choose_varlen_k(k, 132).name, "dw_tma_c2<256>");
+  k.M = 1920;  // 15 M-tiles: no pairs
+  EXPECT_STREQ(eng::choose_varlen_k(k, 132).name, "dw_tma<256>");
+  k.M = 2048;
+  setenv("SMOE_ENGINE_CLUSTER_K", "1", 1);
+  EXPECT_STREQ(eng::choose_varlen_k(k, 132).name, "dw_tma<256>");
+  setenv("SMOE_ENGINE_CLUSTER_K", "2", 1);
+  setenv("SMOE_ENGINE_BN_K", "128", 1);  // pairs are built at BN = 256 only: the switch is ignored
+  EXPECT_STREQ(eng::choose_varlen_k(k, 132).name, "dw_tma<128>");
+  unsetenv("SMOE_ENGINE_BN_K");
+  unsetenv("SMOE_ENGINE_CLUSTER_K");
 }
 
 TEST(EngineApi, WeightGradientPath) {
   unsetenv("SMOE_DW_PATH");
   using smoe::layer::DwPath;
   smoe::MoEShape small{40960, 768, 256, 128, 8}, wide{32768, 7168, 2048, 256, 8};
-  // dW2: the fused gather up to n = 512, engine_tma above; dW1: engine_tma at every n (dw_path.h).
+  // dW2: the fused gather up to n = 512, engine_tma above; dW1: up to n = 256 (dw_path.h).
   EXPECT_EQ(smoe::layer::dw2_path(small), DwPath::kEngine);
-  EXPECT_EQ(smoe::layer::dw1_path(small), DwPath::kEngineTma);
+  EXPECT_EQ(smoe::layer::dw1_path(small), DwPath::kEngine);
   EXPECT_EQ(smoe::layer::dw2_path(wide), DwPath::kEngineTma);
   EXPECT_EQ(smoe::layer::dw1_path(wide), DwPath::kEngineTma);
   EXPECT_EQ(smoe::layer::dw2_path(smoe::MoEShape{32768, 4096, 512, 128, 8}), DwPath::kEngine);
   EXPECT_EQ(smoe::layer::dw2_path(smoe::MoEShape{32768, 2048, 1024, 64, 8}), DwPath::kEngineTma);
-  EXPECT_EQ(smoe::layer::dw1_path(smoe::MoEShape{32768, 4096, 256, 256, 16}), DwPath::kEngineTma);
+  EXPECT_EQ(smoe::layer::dw1_path(smoe::MoEShape{32768, 4096, 256, 256, 16}), DwPath::kEngine);
+  EXPECT_EQ(smoe::layer::dw1_path(smoe::MoEShape{32768, 4096, 384, 256, 16}), DwPath::kEngineTma);
   setenv("SMOE_DW_PATH", "engine", 1);
   EXPECT_EQ(smoe::layer::dw1_path(wide), DwPath::kEngine);
   setenv("SMOE_DW_PATH", "cutlass", 1);

@@ -311,6 +311,7 @@ struct KCase {
   int M, N;
   bool gather_p, gather_q;
   int expect_bn = 0;
+  int expect_cluster = 0;  // 0: not checked
 };
 
 void run_k(const KCase& c) {
@@ -348,6 +349,7 @@ void run_k(const KCase& c) {
   a.gather_q = c.gather_q ? d_gq->get() : nullptr;
   a.D = D.get();
   if (c.expect_bn) EXPECT_EQ(eng::choose_varlen_k(a, sms()).bn, c.expect_bn);
+  if (c.expect_cluster) EXPECT_EQ(eng::choose_varlen_k(a, sms()).cluster, c.expect_cluster);
   smoe::Status st = eng::varlen_k(a, sms(), 0);
   ASSERT_TRUE(st.ok()) << st.message;
   CUDA_OK(cudaDeviceSynchronize());
@@ -641,6 +643,25 @@ TEST(GpuEngine, VarlenK) {
   setenv("SMOE_ENGINE_BN_K", "256", 1);
   run_k({kEdgeCounts, 320, 512, false, false, 256});
   run_k({kEdgeCounts, 128, 256, true, false, 256});
+  unsetenv("SMOE_ENGINE_BN_K");
+}
+// Pairs along M (Q multicast): every kind, an odd M-tile count (the last pair's rank-1 tile lies
+// past M: it loads its half of Q for its partner and stores nothing), empty experts, tails.
+TEST(GpuEngine, VarlenKCluster) {
+  setenv("SMOE_ENGINE_BN_K", "256", 1);
+  setenv("SMOE_ENGINE_CLUSTER_K", "2", 1);
+  run_k({kEdgeCounts, 256, 512, false, false, 256, 2});
+  run_k({kEdgeCounts, 384, 256, false, false, 256, 2});  // 3 M-tiles
+  run_k({kEdgeCounts, 256, 256, true, false, 256, 2});
+  run_k({kEdgeCounts, 640, 256, true, false, 256, 2});   // 5 M-tiles, gathered P
+  run_k({kEdgeCounts, 512, 256, false, true, 256, 2});   // gathered Q: runs transposed (M 256, N 512)
+  std::mt19937_64 g(smoe_test::fresh_seed());
+  run_k({random_counts(300, 9000, g, 0.5), 256, 512, false, false, 256, 2});
+  run_k({random_counts(300, 9000, g, 0.5), 512, 256, true, false, 256, 2});
+  unsetenv("SMOE_ENGINE_CLUSTER_K");
+  // The heuristic's pick without the switch: a pair at an even M-tile count, none at an odd one.
+  run_k({kEdgeCounts, 512, 256, false, false, 256, 2});
+  run_k({kEdgeCounts, 384, 256, false, false, 256, 1});
   unsetenv("SMOE_ENGINE_BN_K");
 }
 TEST(GpuEngine, ManyExpertsMostlyEmpty) {

@@ -656,8 +656,8 @@ TEST(GpuLayer, WeightGradientPathsAgree) {
 // same weights: out and A'-derived dW2 bitwise (every element is the same sum in the same order),
 // the router gradient within 1e-3 (dS sums its terms in another order), dw1 / dw3 equal to the
 // interleaved dW1's even / odd rows (tight bound: the same reductions over rows), dx within the
-// bf16 bound (dX~ sums K as gate block then up block). dW1 runs the default path (engine_tma,
-// dw_path.h) at both n. A backward whose layout differs from its forward's is a bad saved state:
+// bf16 bound (dX~ sums K as gate block then up block). dW1 runs the default path (dw_path.h): the
+// fused gather at n = 128, engine_tma at n = 320. A backward whose layout differs from its forward's is a bad saved state:
 // NaN in every element of every gradient, and the flag.
 TEST(GpuLayer, GateUpTwoTensorsMatchInterleaved) {
   for (const smoe::MoEShape& s : {smoe::MoEShape{1000, 256, 128, 32, 4}, smoe::MoEShape{600, 256, 320, 8, 2}}) {
