@@ -43,16 +43,22 @@ inline DwPath dw2_path(const MoEShape& s) {
   return s.n <= 512 ? DwPath::kEngine : DwPath::kEngineTma;
 }
 
-// dW1: the fused gather at n <= 256, engine_tma above. Measured on the H200 with the varlen-K
-// pairs (Q multicast) of this commit (bench/results/h200/varlen_k_c2/wip_env_table.md, ms, fused / engine_tma):
-// 1.4B n256 0.524 / 0.610, 30B n256 5.14 / 5.38, 7B n512 0.635 / 0.592, OLMoE (n 1024) 4.68 / 3.78,
-// Qwen3-235B (n 1536) 16.3 / 11.7. At small n the gather copy (2 T K d bytes each way) is a large
-// share of a GEMM with only 2n columns per row; at large n the cp.async gather starves the MMA.
+// dW1: the fused gather at n <= 256 when the experts average >= kDw1FusedMinRows rows, engine_tma
+// otherwise. Measured on the H200 with the varlen-K pairs (Q multicast), ms, fused / engine_tma
+// (bench/results/h200/varlen_k_c2/: wip_env_table.md, and dw1_rows.md, 20 reps):
+//   rows/expert 2560 (1.4B n256) 0.576 / 0.625; 2048 (30B n256) 5.35 / 5.61; 1536 (7B n256) 0.736 /
+//   0.783; 1024 (narrow E384 K12 n256) 2.246 / 2.205; 256 (narrow E512 K8 n128) 0.310 / 0.304;
+//   n 512: 7B n512 0.635 / 0.592; n 1024-1536: OLMoE 4.68 / 3.78, Qwen3-235B 16.3 / 11.7.
+// At small n the gather copy (2 T K d bytes each way) is a large share of a GEMM with only 2n
+// columns per row; short reductions (few rows per expert) leave the gathered loads' latency
+// unhidden at every tile's start, and at large n the cp.async gather starves the MMA.
+constexpr int64_t kDw1FusedMinRows = 1280;  // between the measured 1024 (loses 2%) and 1536 (wins 6%)
 inline DwPath dw1_path(const MoEShape& s) {
   bool forced = false;
   const DwPath f = forced_dw_path(&forced);
   if (forced) return f;
-  return s.n <= 256 ? DwPath::kEngine : DwPath::kEngineTma;
+  const int64_t rows_per_expert = s.T * s.K / (s.E > 0 ? s.E : 1);
+  return s.n <= 256 && rows_per_expert >= kDw1FusedMinRows ? DwPath::kEngine : DwPath::kEngineTma;
 }
 
 }  // namespace layer

@@ -201,7 +201,8 @@ TEST(EngineApi, WeightGradientPath) {
   unsetenv("SMOE_DW_PATH");
   using smoe::layer::DwPath;
   smoe::MoEShape small{40960, 768, 256, 128, 8}, wide{32768, 7168, 2048, 256, 8};
-  // dW2: the fused gather up to n = 512, engine_tma above; dW1: up to n = 256 (dw_path.h).
+  // dW2: the fused gather up to n = 512, engine_tma above; dW1: up to n = 256 with >= 1280 rows
+  // per expert on average (dw_path.h).
   EXPECT_EQ(smoe::layer::dw2_path(small), DwPath::kEngine);
   EXPECT_EQ(smoe::layer::dw1_path(small), DwPath::kEngine);
   EXPECT_EQ(smoe::layer::dw2_path(wide), DwPath::kEngineTma);
@@ -210,6 +211,9 @@ TEST(EngineApi, WeightGradientPath) {
   EXPECT_EQ(smoe::layer::dw2_path(smoe::MoEShape{32768, 2048, 1024, 64, 8}), DwPath::kEngineTma);
   EXPECT_EQ(smoe::layer::dw1_path(smoe::MoEShape{32768, 4096, 256, 256, 16}), DwPath::kEngine);
   EXPECT_EQ(smoe::layer::dw1_path(smoe::MoEShape{32768, 4096, 384, 256, 16}), DwPath::kEngineTma);
+  EXPECT_EQ(smoe::layer::dw1_path(smoe::MoEShape{32768, 2048, 256, 384, 12}), DwPath::kEngineTma);  // 1024 rows
+  EXPECT_EQ(smoe::layer::dw1_path(smoe::MoEShape{16384, 1024, 128, 512, 8}), DwPath::kEngineTma);   // 256 rows
+  EXPECT_EQ(smoe::layer::dw1_path(smoe::MoEShape{24576, 1536, 256, 128, 8}), DwPath::kEngine);      // 1536 rows
   setenv("SMOE_DW_PATH", "engine", 1);
   EXPECT_EQ(smoe::layer::dw1_path(wide), DwPath::kEngine);
   setenv("SMOE_DW_PATH", "cutlass", 1);
