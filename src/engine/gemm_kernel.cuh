@@ -32,7 +32,7 @@ __global__ void __launch_bounds__(kThreads, 1) engine_kernel(const __grid_consta
 // Common body: barrier set-up, role split, consumer loop over the scheduler's tiles.
 template <class Cfg, class Producer, class Consumer, class Epi, class Tail, int kProducerRegs, int kConsumerRegs>
 struct KernelBody {
-  using Storage = SharedStorage<Cfg>;
+  using Storage = SharedStorage<Cfg, Producer::kGatherRows>;
   // setmaxnreg moves registers inside the CTA's launch allocation (168 per thread x 384, the
   // __launch_bounds__(384, 1) cap): asking for more than that total blocks the increase forever.
   static_assert(kProducerRegs * kProducerThreads + kConsumerRegs * kConsumerThreads <= 168 * kThreads,

@@ -10,10 +10,13 @@
 //     K-tile the box runs into the next expert's rows, which the consumers overwrite with zeros
 //     before the MMA (ZeroTail), so no other expert's values enter (not even 0 * Inf).
 //   * gathered operand: 16-byte cp.async by all 128 producer threads; rows past the expert's end
-//     and columns past the width are zero-filled. The row indices of K-tile k + 2 are loaded (all
-//     at once, unconditionally, so they are in flight together) right after K-tile k is issued and
-//     K-tile k + 1's addresses are made from the indices loaded a stage before: issuing a copy is
-//     an add and the cp.async, and no index round trip sits between two stages.
+//     and columns past the width are zero-filled. The row offsets (gather_idx[r] * ld) of up to
+//     kChunkRows rows (32 K-tiles) are staged in shared memory at once, all loads in flight
+//     together, and each stage's addresses are then a shared-memory read and an add: per K-tile the
+//     producer issues only its copies. (Loading 8 indices per thread per K-tile from global, one
+//     K-tile ahead, left the producer busy ~80% of the time under ncu at 07571c4: waiting on the
+//     index loads, 64-bit multiplies and a branch per row, while the consumers waited ~47% of
+//     theirs on the full barrier; the up-proj, whose rows are fixed per tile, has no such cost.)
 // One mbarrier per stage: the TMA thread's arrive_expect_tx + 128 cp.async noinc arrivals.
 #pragma once
 
@@ -36,56 +39,74 @@ struct GatherRowLoader {
   static constexpr int kAtomsPerStep = kRowsPerPass < 8 ? 1 : kRowsPerPass / 8;
   static_assert(kChunksPerRow <= kProducerThreads && BK % kRowsPerPass == 0, "tile too wide");
   static_assert(8 % kRowsPerPass == 0 || kRowsPerPass % 8 == 0, "rows per pass vs swizzle period");
+  // Row offsets staged per refill: 32 K-tiles (16 KB of shared memory). An expert with more rows
+  // refills every kChunkTiles K-tiles.
+  static constexpr int kChunkRows = 2048;
+  static constexpr int kChunkTiles = kChunkRows / BK;
+  static constexpr int kStageLoads = kChunkRows / kProducerThreads;
+  static_assert(kChunkRows % BK == 0 && kChunkRows % kProducerThreads == 0, "chunk: whole K-tiles");
+  static constexpr uint32_t kProducerBar = 4;  // named barrier of the 128 producer threads
 
+  int tid;
   int chunk;
   int row_in_tile0;
   uint32_t saddr0[kPhases];
   uint32_t atom_bytes;
-  const Bf16* src[kPasses];  // nullptr: zero fill
+  const Bf16* src[kPasses];
+  uint32_t valid;  // bit i: pass i's row lies inside the expert and its column inside the width
 
   template <class STensor>
-  __device__ void init(const STensor& s, int tid) {
-    chunk = tid % kChunksPerRow;
-    row_in_tile0 = tid / kChunksPerRow;
+  __device__ void init(const STensor& s, int t) {
+    tid = t;
+    chunk = t % kChunksPerRow;
+    row_in_tile0 = t / kChunksPerRow;
 #pragma unroll
     for (int i = 0; i < kPhases; ++i)
       saddr0[i] = smem_u32(&s(chunk * 8, row_in_tile0 + i * kRowsPerPass, 0));
     atom_bytes = smem_u32(&s(chunk * 8, row_in_tile0 + 8, 0)) - smem_u32(&s(chunk * 8, row_in_tile0, 0));
   }
 
-  // Row indices of one K-tile, loaded a K-tile ahead of their use (load_idx for tile k + 1 right
-  // after tile k's addresses are made): the index load's L2 latency (~0.5-1 us under load) then
-  // overlaps a whole stage instead of sitting between two stages' copies. With the load and its use
-  // back to back, the producer issued at most one stage per index round trip, slower than the
-  // consumers' ~0.6 us of MMA per 128 x 256 x 64 stage (SM 53-60% under ncu at 5639575).
-  int idx_next[kPasses];
-
-  // K-tile k of an expert whose rows are [row0, row0 + rows), rows >= 1 (past the end: the last row,
-  // a harmless load whose address make_src drops).
-  __device__ void load_idx(const int32_t* __restrict__ gather, int row0, int rows, int k) {
+  // off[j] = gather[row0 + r0 + j] * ld for the chunk's rows j < min(kChunkRows, rows - r0), by all
+  // 128 producer threads, every index load in flight before the first store. The barrier before:
+  // no thread still reads the previous chunk; after: every offset is written.
+  __device__ void stage_offsets(int64_t* off, const int32_t* __restrict__ gather, int64_t ld, int row0, int rows,
+                                int r0) const {
+    cutlass::arch::NamedBarrier::sync(kProducerThreads, kProducerBar);
+    const int n = rows - r0 < kChunkRows ? rows - r0 : kChunkRows;
+    int32_t v[kStageLoads];
 #pragma unroll
-    for (int i = 0; i < kPasses; ++i) {  // all in flight together
-      const int r = k * BK + row_in_tile0 + i * kRowsPerPass;
-      idx_next[i] = __ldg(gather + row0 + (r < rows ? r : rows - 1));
+    for (int j = 0; j < kStageLoads; ++j) {
+      const int r = tid + j * kProducerThreads;
+      v[j] = r < n ? __ldg(gather + row0 + r0 + r) : 0;
     }
+#pragma unroll
+    for (int j = 0; j < kStageLoads; ++j) off[tid + j * kProducerThreads] = static_cast<int64_t>(v[j]) * ld;
+    cutlass::arch::NamedBarrier::sync(kProducerThreads, kProducerBar);
   }
 
-  // Addresses of K-tile k from the indices load_idx(k) fetched; columns col0 + chunk.
-  __device__ void make_src(const Bf16* base, int64_t ld, int rows, int k, int col0, int cols) {
+  // Addresses of K-tile k (its offsets staged: k's chunk is the current one), columns col0 + chunk.
+  // Branch-free: a row past the end or a column past the width reads offset 0 of base (a valid
+  // address, not read: the copy zero-fills).
+  __device__ void make_src(const int64_t* off, const Bf16* base, int rows, int k, int col0, int cols) {
     const int c = col0 + chunk * 8;
     const bool col_ok = c < cols;
+    const int j0 = (k % kChunkTiles) * BK + row_in_tile0;
+    valid = 0;
 #pragma unroll
     for (int i = 0; i < kPasses; ++i) {
       const int r = k * BK + row_in_tile0 + i * kRowsPerPass;
-      src[i] = r < rows && col_ok ? base + static_cast<int64_t>(idx_next[i]) * ld + c : nullptr;
+      const bool ok = r < rows && col_ok;
+      const int64_t o = off[j0 + i * kRowsPerPass];
+      src[i] = base + (ok ? o + c : 0);
+      valid |= static_cast<uint32_t>(ok) << i;
     }
   }
 
-  __device__ void issue(const Bf16* any_valid, uint32_t stage_off) const {
+  __device__ void issue(uint32_t stage_off) const {
 #pragma unroll
     for (int i = 0; i < kPasses; ++i) {
       const uint32_t sa = saddr0[i % kPhases] + (i / kPhases) * kAtomsPerStep * atom_bytes + stage_off;
-      cp_async_16_zfill(sa, src[i] ? src[i] : any_valid, src[i] != nullptr);
+      cp_async_16_zfill(sa, src[i], (valid >> i) & 1u);
     }
   }
 };
@@ -103,6 +124,8 @@ struct ProducerVarlenK {
   static constexpr int BM = Cfg::BM, BN = Cfg::BN, BK = Cfg::BK, kStages = Cfg::kStages;
   static constexpr int kCluster = Cfg::kClusterM;
   static constexpr uint32_t kFullArrivals = kGatherP ? 1 + kProducerThreads : 1;
+  using Loader = GatherRowLoader<BM, BK>;
+  static constexpr int kGatherRows = kGatherP ? Loader::kChunkRows : 0;  // SharedStorage
   static_assert(Cfg::kMajorA == GMMA::Major::MN && Cfg::kMajorB == GMMA::Major::MN, "varlen-K: MN-major");
 
   template <class Params, class Storage, class Sched>
@@ -112,9 +135,14 @@ struct ProducerVarlenK {
     Tensor sB = make_tensor(make_smem_ptr(s.B.data()), typename Cfg::SmemLayoutB{});
     Tensor mQ = p.tma_q.get_tma_tensor(make_shape(p.N, p.q_rows));
     Tensor mP = p.tma_p.get_tma_tensor(make_shape(p.M, p.q_rows));  // !kGatherP: the same rows as Q
-    GatherRowLoader<BM, BK> lg;
-    if constexpr (kGatherP) lg.init(sA, tid);
-    else if (tid != 0) return;  // one thread issues both boxes
+    Loader lg;
+    int64_t* off = nullptr;
+    if constexpr (kGatherP) {
+      lg.init(sA, tid);
+      off = s.gather.off;
+    } else if (tid != 0) {
+      return;  // one thread issues both boxes
+    }
 
     PipeState ps;
     const int total = sched.total_tiles();
@@ -123,10 +151,9 @@ struct ProducerVarlenK {
       const int k_tiles = (w.rows + BK - 1) / BK;
       const int m0 = w.m_tile * BM, n0 = w.n_tile * BN;
       if constexpr (kGatherP) {
-        if (k_tiles > 0) {  // tile 0's indices are waited for here (once per work tile), tile 1's not
-          lg.load_idx(p.gather_p, w.row0, w.rows, 0);
-          lg.make_src(p.P, p.ld_p, w.rows, 0, m0, p.M);
-          if (k_tiles > 1) lg.load_idx(p.gather_p, w.row0, w.rows, 1);
+        if (k_tiles > 0) {  // the first chunk's offsets (k_tiles is the same in all 128 threads)
+          lg.stage_offsets(off, p.gather_p, p.ld_p, w.row0, w.rows, 0);
+          lg.make_src(off, p.P, w.rows, 0, m0, p.M);
         }
       }
       for (int k = 0; k < k_tiles; ++k) {
@@ -155,11 +182,12 @@ struct ProducerVarlenK {
           }
         }
         if constexpr (kGatherP) {
-          lg.issue(p.P, ps.stage * Cfg::kBytesA);
+          lg.issue(ps.stage * Cfg::kBytesA);
           cp_async_arrive_noinc(&s.full[ps.stage]);
-          if (k + 1 < k_tiles) {  // tile k + 1's indices were loaded one stage ago
-            lg.make_src(p.P, p.ld_p, w.rows, k + 1, m0, p.M);
-            if (k + 2 < k_tiles) lg.load_idx(p.gather_p, w.row0, w.rows, k + 2);
+          if (k + 1 < k_tiles) {  // the next K-tile's addresses, past a chunk: its offsets first
+            if ((k + 1) % Loader::kChunkTiles == 0)
+              lg.stage_offsets(off, p.gather_p, p.ld_p, w.row0, w.rows, (k + 1) * BK);
+            lg.make_src(off, p.P, w.rows, k + 1, m0, p.M);
           }
         }
         ps.template advance<kStages>();

@@ -31,6 +31,7 @@ struct ProducerVarlenM {
   static constexpr int kRowsPerThread = BM * (BK / 8) / kProducerThreads;  // 8
   static constexpr uint32_t kTxBytes = Cfg::kBytesB + (kGather ? 0 : Cfg::kBytesA);
   static constexpr uint32_t kFullArrivals = 1 + (kGather ? kProducerThreads : 0);
+  static constexpr int kGatherRows = 0;  // no staged row offsets (SharedStorage)
   static constexpr int kCluster = Cfg::kClusterM;
   static constexpr bool kAlongN = Cfg::kClusterAlongN;  // A multicast (TMA A only), B per CTA
   static_assert(!kAlongN || !kGather, "a cluster along N multicasts A: TMA A only");

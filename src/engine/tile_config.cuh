@@ -83,13 +83,23 @@ constexpr int stages_for(int BN) {
   return n > 8 ? 8 : n;
 }
 
-template <class Cfg>
+// The gathered varlen-K operand's row offsets (gather_idx[r] * ld), staged kRows at a time by the
+// producer warpgroup (producer_varlen_k.cuh); none for the other kernels.
+template <int kRows>
+struct GatherOffsets {
+  int64_t off[kRows];
+};
+template <>
+struct GatherOffsets<0> {};
+
+template <class Cfg, int kGatherRows = 0>
 struct SharedStorage {
   alignas(1024) cute::array_aligned<Bf16, cute::cosize_v<typename Cfg::SmemLayoutA>> A;
   alignas(1024) cute::array_aligned<Bf16, cute::cosize_v<typename Cfg::SmemLayoutB>> B;
   alignas(8) uint64_t full[Cfg::kStages];   // producer -> consumers: stage loaded
   alignas(8) uint64_t empty[Cfg::kStages];  // consumers -> producer: stage free
   int tile_start[kMaxExperts + 1];          // varlen-M scheduler prefix
+  alignas(16) GatherOffsets<kGatherRows> gather;
 };
 
 // The pipeline position both sides advance through, across tiles.

@@ -640,6 +640,10 @@ TEST(GpuEngine, VarlenK) {
   // Neither gathered: both operands by TMA (dw_tma), the tail rows of both zeroed; both tiles.
   run_k({kEdgeCounts, 192, 320, false, false});
   run_k({kEdgeCounts, 64, 128, false, false});
+  // Experts longer than the staged row offsets (2048 rows per refill): exactly one chunk, one row
+  // past it, two and a half chunks; gathered P and gathered Q (transposed).
+  run_k({{2048, 0, 2049, 5000, 1}, 128, 256, true, false});
+  run_k({{2049, 4096, 0, 4500}, 256, 128, false, true});
   setenv("SMOE_ENGINE_BN_K", "256", 1);
   run_k({kEdgeCounts, 320, 512, false, false, 256});
   run_k({kEdgeCounts, 128, 256, true, false, 256});
