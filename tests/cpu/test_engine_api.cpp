@@ -200,20 +200,26 @@ TEST(EngineApi, TileHeuristic) {
 TEST(EngineApi, WeightGradientPath) {
   unsetenv("SMOE_DW_PATH");
   using smoe::layer::DwPath;
-  smoe::MoEShape small{40960, 768, 256, 128, 8}, wide{32768, 7168, 2048, 256, 8};
-  // dW2: the fused gather up to n = 512, engine_tma above; dW1: up to n = 256 with >= 1280 rows
-  // per expert on average (dw_path.h).
-  EXPECT_EQ(smoe::layer::dw2_path(small), DwPath::kEngine);
-  EXPECT_EQ(smoe::layer::dw1_path(small), DwPath::kEngine);
-  EXPECT_EQ(smoe::layer::dw2_path(wide), DwPath::kEngineTma);
-  EXPECT_EQ(smoe::layer::dw1_path(wide), DwPath::kEngineTma);
-  EXPECT_EQ(smoe::layer::dw2_path(smoe::MoEShape{32768, 4096, 512, 128, 8}), DwPath::kEngine);
-  EXPECT_EQ(smoe::layer::dw2_path(smoe::MoEShape{32768, 2048, 1024, 64, 8}), DwPath::kEngineTma);
-  EXPECT_EQ(smoe::layer::dw1_path(smoe::MoEShape{32768, 4096, 256, 256, 16}), DwPath::kEngine);
-  EXPECT_EQ(smoe::layer::dw1_path(smoe::MoEShape{32768, 4096, 384, 256, 16}), DwPath::kEngineTma);
-  EXPECT_EQ(smoe::layer::dw1_path(smoe::MoEShape{32768, 2048, 256, 384, 12}), DwPath::kEngineTma);  // 1024 rows
-  EXPECT_EQ(smoe::layer::dw1_path(smoe::MoEShape{16384, 1024, 128, 512, 8}), DwPath::kEngineTma);   // 256 rows
-  EXPECT_EQ(smoe::layer::dw1_path(smoe::MoEShape{24576, 1536, 256, 128, 8}), DwPath::kEngine);      // 1536 rows
+  smoe::MoEShape small{40960, 768, 256, 128, 8}, wide{16384, 4096, 4096, 8, 2};
+  // dW2: the fused gather up to 8 N-tiles (n / 256, or n / 128 when n % 256 != 0); dW1: at
+  // n <= 512 with >= 1024 rows per expert on average (dw_path.h).
+  using smoe::layer::dw1_path;
+  using smoe::layer::dw2_path;
+  EXPECT_EQ(dw2_path(small), DwPath::kEngine);
+  EXPECT_EQ(dw1_path(small), DwPath::kEngine);
+  EXPECT_EQ(dw2_path(wide), DwPath::kEngineTma);                                    // 16 N-tiles
+  EXPECT_EQ(dw1_path(wide), DwPath::kEngineTma);
+  EXPECT_EQ(dw2_path(smoe::MoEShape{32768, 7168, 2048, 256, 8}), DwPath::kEngine);     // 8 N-tiles
+  EXPECT_EQ(dw2_path(smoe::MoEShape{12345, 2560, 1408, 64, 8}), DwPath::kEngineTma);   // BN 128: 11
+  EXPECT_EQ(dw2_path(smoe::MoEShape{32768, 2048, 1024, 64, 8}), DwPath::kEngine);
+  EXPECT_EQ(dw2_path(smoe::MoEShape{9999, 1536, 640, 40, 4}), DwPath::kEngine);        // BN 128: 5
+  EXPECT_EQ(dw1_path(smoe::MoEShape{32768, 4096, 256, 256, 16}), DwPath::kEngine);
+  EXPECT_EQ(dw1_path(smoe::MoEShape{32768, 4096, 384, 256, 16}), DwPath::kEngine);
+  EXPECT_EQ(dw1_path(smoe::MoEShape{24576, 1536, 512, 64, 4}), DwPath::kEngine);       // 1536 rows
+  EXPECT_EQ(dw1_path(smoe::MoEShape{32768, 2048, 256, 384, 12}), DwPath::kEngine);     // 1024 rows
+  EXPECT_EQ(dw1_path(smoe::MoEShape{32768, 2048, 512, 512, 10}), DwPath::kEngineTma);  // 640 rows
+  EXPECT_EQ(dw1_path(smoe::MoEShape{16384, 1024, 128, 512, 8}), DwPath::kEngineTma);   // 256 rows
+  EXPECT_EQ(dw1_path(smoe::MoEShape{20000, 3072, 768, 96, 6}), DwPath::kEngineTma);    // n 768
   setenv("SMOE_DW_PATH", "engine", 1);
   EXPECT_EQ(smoe::layer::dw1_path(wide), DwPath::kEngine);
   setenv("SMOE_DW_PATH", "cutlass", 1);
