@@ -10,7 +10,8 @@
 //   * dA' (dSwiGLU epilogue) uses BN = 128: its epilogue holds H, dH and A' values per element
 //     and 64x128 keeps it inside the register budget next to the accumulator.
 //   * varlen-K (dW): tiles are (E, M/128, N/BN) with a per-expert reduction; BN = 256 when
-//     N % 256 == 0 and E * M/128 * N/256 still gives >= 2 waves, else 128.
+//     N % 256 == 0 and E * M/128 * N/256 still gives >= 2 waves, else 128. At BN = 256 with an
+//     even M-tile count, pairs along M share the Q tile by multicast (choose_varlen_k).
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>

@@ -193,15 +193,9 @@ struct ProducerVarlenK {
         ps.template advance<kStages>();
       }
     }
-    // Cluster: the partner's consumers arrive on this CTA's empty barriers and its multicasts land
-    // in this CTA's stages; exit only after every stage was released again (as varlen-M).
-    if constexpr (kCluster > 1) {
-      if (tid == 0)
-        for (int i = 0; i < kStages; ++i) {
-          cutlass::arch::ClusterBarrier::wait(&s.empty[ps.stage], ps.phase ^ 1u);
-          ps.template advance<kStages>();
-        }
-    }
+    // Cluster: wait until the partner released every stage (tile_config.cuh).
+    if constexpr (kCluster > 1)
+      if (tid == 0) wait_stages_released<kStages>(s.empty, ps);
   }
 };
 

@@ -17,6 +17,7 @@
 #include "cute/tensor.hpp"
 #include "cute/atom/mma_atom.hpp"
 #include "cute/atom/copy_atom.hpp"
+#include "cutlass/arch/barrier.h"
 #include "cutlass/bfloat16.h"
 
 #include "smoe/smoe.h"
@@ -121,6 +122,18 @@ struct PipeState {
     stage = s % Stages;
   }
 };
+
+// A producer of a 2-CTA cluster, after its last load: the partner's consumers arrive on this CTA's
+// empty barriers and its multicasts land in this CTA's stages, so the CTA may exit only after every
+// stage was released again, i.e. after the last of those arrivals (every multicast into a stage
+// precedes its release). One thread waits.
+template <int Stages>
+__device__ void wait_stages_released(uint64_t* empty, PipeState ps) {
+  for (int i = 0; i < Stages; ++i) {
+    cutlass::arch::ClusterBarrier::wait(&empty[ps.stage], ps.phase ^ 1u);
+    ps.template advance<Stages>();
+  }
+}
 
 }  // namespace engine
 }  // namespace smoe
