@@ -126,15 +126,35 @@ const Entry<Args>* find(const Entry<Args> (&table)[N], const char* label) {
   return nullptr;
 }
 
-// "kind[_pp][_c2|_n2]<BN>" of an instantiation, as CMakeLists.txt labels it; nullptr if not built.
-const char* varlen_m_label(Epilogue epi, WeightMajor major, bool pp, int cluster, int bn) {
+// Staged stores (EpiStoreStaged, labels _pps) for a ping-pong store GEMM with this K: by default
+// for K <= kStagedStoreMaxK; SMOE_ENGINE_STAGED_STORE=0 / 1 forces them off / on.
+// Measured at 6682527 + the staged epilogue (bench/results/h200/store_cost_6682527/, 2 x 9 reps
+// each way): the short-K GEMMs gain 3-11% (K = n = 256: down-proj 30B n256 2.58 vs 2.86-2.95 ms,
+// 7B n256 0.30 vs 0.33; K = 2n = 512: dX~ 30B n256 3.63 vs 3.96-4.11, narrow E384 n256 1.40 vs
+// 1.52; K = 128: narrow E512 n128 down-proj 0.157 vs 0.173), while from K = 1024 the epilogue
+// already hides under the other warpgroup's mainloop and staging is even or 2-4% slower
+// (Qwen3-Next dX~, K = 1024: 2.34-2.38 vs 2.26; 7B n1024 down-proj, K = 1024: 0.24 vs 0.233).
+bool staged_store(int K) {
+  const char* v = std::getenv("SMOE_ENGINE_STAGED_STORE");
+  if (v != nullptr && v[0] != '\0') return std::strcmp(v, "0") != 0;
+  return K <= kStagedStoreMaxK;
+}
+
+// "kind[_pp|_pps][_c2|_n2]<BN>" of an instantiation, as CMakeLists.txt labels it; nullptr if not
+// built. A ping-pong store GEMM takes its staged twin (_pps) where one is built and staged_store
+// chooses it.
+const char* varlen_m_label(Epilogue epi, WeightMajor major, bool pp, int cluster, int bn, int K) {
   const char* kind = epi == Epilogue::kSwiGLU    ? "up_swiglu"
                      : epi == Epilogue::kDSwiGLU ? "da_dswiglu"
                      : major == WeightMajor::kNK ? "down_store"
                                                  : "dx_store";
   char l[48];  // on the stack: this runs on every GEMM call
-  std::snprintf(l, sizeof(l), "%s%s%s<%d>", kind, pp ? "_pp" : "",
-                cluster > 1 ? "_c2" : cluster < 0 ? "_n2" : "", bn);
+  const char* cl = cluster > 1 ? "_c2" : cluster < 0 ? "_n2" : "";
+  if (pp && epi == Epilogue::kStore && staged_store(K)) {
+    std::snprintf(l, sizeof(l), "%s_pps%s<%d>", kind, cl, bn);
+    if (const Entry<VarlenMArgs>* e = find(kTableM, l)) return e->label;
+  }
+  std::snprintf(l, sizeof(l), "%s%s%s<%d>", kind, pp ? "_pp" : "", cl, bn);
   const Entry<VarlenMArgs>* e = find(kTableM, l);
   return e ? e->label : nullptr;
 }
@@ -185,10 +205,10 @@ Choice choose_varlen_m(const VarlenMArgs& a, int sm_count) {
   const bool big_weights = weight_bytes > kClusterMinWeightBytes && a.rows >= int64_t{kClusterMinRowsPerExpert} * a.num_experts;
   const int fc = forced_cluster();
   int cluster = fc ? fc : big_weights ? 2 : 1;
-  const char* name = varlen_m_label(a.epilogue, a.b_major, pp, cluster, bn);
+  const char* name = varlen_m_label(a.epilogue, a.b_major, pp, cluster, bn, a.K);
   if (name == nullptr && cluster != 1) {  // no clustered twin of this tile / schedule
     cluster = 1;
-    name = varlen_m_label(a.epilogue, a.b_major, pp, cluster, bn);
+    name = varlen_m_label(a.epilogue, a.b_major, pp, cluster, bn, a.K);
   }
   return {bn, pp, cluster, name};
 }

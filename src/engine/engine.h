@@ -104,6 +104,9 @@ constexpr int kPingPongMaxK = 2048;
 // L2 of the H100 / H200) and the experts average at least this many rows (engine.cu).
 constexpr int64_t kClusterMinWeightBytes = int64_t{24} << 20;
 constexpr int kClusterMinRowsPerExpert = 512;
+// Ping-pong store GEMMs with K up to this stage their tile in shared memory for TMA stores
+// (EpiStoreStaged) by default (engine.cu).
+constexpr int kStagedStoreMaxK = 512;
 Choice choose_varlen_m(const VarlenMArgs& a, int sm_count);
 Choice choose_varlen_k(const VarlenKArgs& a, int sm_count);
 // The epilogues store their outputs with L2 evict-first (st.global.cs) unless

@@ -32,7 +32,9 @@ __global__ void __launch_bounds__(kThreads, 1) engine_kernel(const __grid_consta
 // Common body: barrier set-up, role split, consumer loop over the scheduler's tiles.
 template <class Cfg, class Producer, class Consumer, class Epi, class Tail, int kProducerRegs, int kConsumerRegs>
 struct KernelBody {
-  using Storage = SharedStorage<Cfg, Producer::kGatherRows>;
+  static constexpr int kEpiBytes = EpiSmem<Epi, Cfg::BN>::kBytes;  // a staged epilogue's slabs
+  static_assert(kEpiBytes == 0 || Cfg::kPingPong, "staged epilogues: ping-pong only");
+  using Storage = SharedStorage<Cfg, Producer::kGatherRows, kEpiBytes>;
   // setmaxnreg moves registers inside the CTA's launch allocation (168 per thread x 384, the
   // __launch_bounds__(384, 1) cap): asking for more than that total blocks the increase forever.
   static_assert(kProducerRegs * kProducerThreads + kConsumerRegs * kConsumerThreads <= 168 * kThreads,
@@ -131,8 +133,12 @@ struct KernelBody {
       // The whole 128-row tile (two 64-row halves; the epilogues address two rows per thread,
       // AccPos); per-row inputs streamed, not prefetched before the mainloop: their registers would
       // sit next to a 128 x BN accumulator.
-      Epi::apply_tile(p.epi, accum, cd, ctx);
+      if constexpr (kEpiBytes > 0)
+        Epi::apply_tile(p.epi, p.tma_d, p.d_rows, accum, cd, ctx, s.epi.bytes, wg);
+      else
+        Epi::apply_tile(p.epi, accum, cd, ctx);
     }
+    if constexpr (kEpiBytes > 0) Epi::finish();
   }
 };
 
@@ -188,6 +194,12 @@ struct VarlenMKernel {
   // halves (its two tensors split K instead): the full layout stands in.
   using SmemLayoutBHalf = typename HalfB<Cfg>::Layout;
   using TmaBHalf = decltype(tma_for_b(nullptr, GmemB{}, SmemLayoutBHalf{}));
+  // A staged store epilogue's TMA store over D [rows][N] (EpiStoreStaged; unused otherwise).
+  static constexpr bool kStagedEpi = std::is_same_v<Epi, EpiStoreStaged>;
+  static_assert(!kStagedEpi || !kGather, "staged stores: D has the A tensor's rows (TMA A)");
+  using SmemLayoutD = EpiStoreStaged::SmemLayout<Cfg::BN>;
+  static auto tma_for_d(Bf16* ptr, GmemK gl) { return make_tma_copy(SM90_TMA_STORE{}, make_tensor(make_gmem_ptr(ptr), gl), SmemLayoutD{}); }
+  using TmaD = decltype(tma_for_d(nullptr, GmemK{}));
 
   struct Params {
     int E, N, K;
@@ -205,6 +217,8 @@ struct VarlenMKernel {
     TmaB tma_b;
     TmaB tma_b2;
     TmaBHalf tma_bh[2];
+    TmaD tma_d;  // kStagedEpi only
+    int d_rows;  // rows of D (kStagedEpi)
     typename Epi::Params epi;
   };
 
@@ -255,6 +269,9 @@ struct VarlenMKernel {
       }
     }
     p.epi = epi;
+    p.d_rows = a_rows;
+    if constexpr (kStagedEpi)  // D [a_rows][N]: the store GEMMs read A by TMA, so a_rows = rows
+      p.tma_d = tma_for_d(reinterpret_cast<Bf16*>(epi.D), make_layout(make_shape(a_rows, N), make_stride(int64_t{N}, _1{})));
     return p;
   }
 
@@ -268,6 +285,7 @@ struct VarlenMKernel {
         cute::prefetch_tma_descriptor(p.tma_bh[1].get_tma_descriptor());
       }
       if constexpr (!kGather) cute::prefetch_tma_descriptor(p.tma_a.get_tma_descriptor());
+      if constexpr (kStagedEpi) cute::prefetch_tma_descriptor(p.tma_d.get_tma_descriptor());
     }
     using Sched = VarlenMScheduler<Cfg::BM, kCluster, kAlongN>;
     Sched::build(p.expert_offset, p.E, s.tile_start);

@@ -9,6 +9,7 @@ namespace smoe {
 namespace engine {
 
 inline EpiStore::Params epi_params(EpiStore*, const VarlenMArgs& a, int) { return {a.D, a.N}; }
+inline EpiStore::Params epi_params(EpiStoreStaged*, const VarlenMArgs& a, int) { return {a.D, a.N}; }
 template <bool kHalves>
 inline EpiSwiGLUParams epi_params(EpiSwiGLUT<kHalves>*, const VarlenMArgs& a, int) { return {a.D, a.D2, a.N}; }
 template <bool kHalves>
@@ -16,13 +17,18 @@ inline EpiDSwiGLUParams epi_params(EpiDSwiGLUT<kHalves>*, const VarlenMArgs& a, 
   return {a.H, a.dH, a.D2, a.scores, a.scatter, a.ds_partial, a.N, n_tiles};
 }
 
-// Schedule of a varlen-M instantiation (tile_config.cuh).
-enum class Sched { kCoop, kPingPong };
+// Schedule of a varlen-M instantiation (tile_config.cuh); kPingPongStaged: ping-pong whose store
+// epilogue stages its tile in shared memory for bulk copies (EpiStoreStaged; fewer stages).
+enum class Sched { kCoop, kPingPong, kPingPongStaged };
 
 // kCluster: 1, 2 (a pair along M, B multicast) or -2 (a pair along N, A multicast).
 template <int BN, GMMA::Major kMajorB, Sched kSched, int kCluster>
-using VarlenMConfig = TileConfig<BN, stages_for(BN), GMMA::Major::K, kMajorB, kSched == Sched::kPingPong,
-                                 kCluster < 0 ? -kCluster : kCluster, (kCluster < 0)>;
+using VarlenMConfig =
+    TileConfig<BN, stages_for(BN, kSched == Sched::kPingPongStaged ? EpiStoreStaged::smem_bytes<BN>() : 0),
+               GMMA::Major::K, kMajorB, kSched != Sched::kCoop, kCluster < 0 ? -kCluster : kCluster, (kCluster < 0)>;
+// The store epilogue of a schedule.
+template <Sched S>
+using StoreEpi = std::conditional_t<S == Sched::kPingPongStaged, EpiStoreStaged, EpiStore>;
 
 template <class Cfg, ALoad kALoad, class Epi>
 Status run_varlen_m(const VarlenMArgs& a, int sm_count, cudaStream_t stream, const char* name) {
@@ -82,13 +88,13 @@ struct Instance<Kind::up_swiglu, BN, S, C> {  // gathered x, W1 K-major, SwiGLU 
 template <int BN, Sched S, int C>
 struct Instance<Kind::down_store, BN, S, C> {  // A by TMA, W2 K-major
   static Status run(const VarlenMArgs& a, int sms, cudaStream_t s, const char* name) {
-    return run_varlen_m<VarlenMConfig<BN, GMMA::Major::K, S, C>, ALoad::kTma, EpiStore>(a, sms, s, name);
+    return run_varlen_m<VarlenMConfig<BN, GMMA::Major::K, S, C>, ALoad::kTma, StoreEpi<S>>(a, sms, s, name);
   }
 };
 template <int BN, Sched S, int C>
 struct Instance<Kind::dx_store, BN, S, C> {  // dH by TMA, W1 MN-major
   static Status run(const VarlenMArgs& a, int sms, cudaStream_t s, const char* name) {
-    return run_varlen_m<VarlenMConfig<BN, GMMA::Major::MN, S, C>, ALoad::kTma, EpiStore>(a, sms, s, name);
+    return run_varlen_m<VarlenMConfig<BN, GMMA::Major::MN, S, C>, ALoad::kTma, StoreEpi<S>>(a, sms, s, name);
   }
 };
 template <int BN, Sched S, int C>

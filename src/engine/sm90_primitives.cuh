@@ -1,5 +1,5 @@
 // Small sm_90a device primitives the engine's roles share: cp.async with zero fill, the cp.async
-// arrival on an mbarrier, the generic->async proxy fence. Everything else (mbarriers, TMA, wgmma)
+// arrival on an mbarrier, the generic->async proxy fence, TMA store groups. Everything else (mbarriers, TMA, wgmma)
 // comes from CuTe / cutlass::arch.
 #pragma once
 
@@ -36,6 +36,16 @@ __device__ __forceinline__ void fence_generic_to_async_smem() {
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
+
+__device__ __forceinline__ void st_shared_u32(uint32_t smem_addr, uint32_t v) {
+  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(smem_addr), "r"(v) : "memory");
+}
+
+// ---- TMA stores: the bulk groups of the issuing thread ------------------------------------------
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// Its stores have read shared memory (the buffer may be written again) / have completed.
+__device__ __forceinline__ void bulk_wait_read_all() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
+__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 
 }  // namespace engine
 }  // namespace smoe

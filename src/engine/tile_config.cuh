@@ -77,10 +77,14 @@ struct TileConfig {
       Layout<Shape<Int<kPingPong ? 1 : 2>, _1, _1>>{}));
 };
 
-// Pipeline depth: as many A+B stages as fit next to the scheduler prefix and the barriers.
-constexpr int stages_for(int BN) {
+// Pipeline depth: as many A+B stages as fit next to the scheduler prefix and the barriers (4 KB
+// kept for them), or next to an epilogue's staging buffer (epi_bytes), which follows the stages
+// directly (SharedStorage): then only the prefix and barriers' exact size is kept back, since one
+// more stage for 128 x 192 ping-pong (5, not 4) fits only that way.
+constexpr int stages_for(int BN, int epi_bytes = 0) {
   const int per_stage = (128 + BN) * 64 * 2;
-  const int n = (kSmemLimit - 4096) / per_stage;
+  const int reserve = epi_bytes > 0 ? 4 * (kMaxExperts + 1) + 2 * 8 * 8 + 64 : 4096;
+  const int n = (kSmemLimit - reserve - epi_bytes) / per_stage;
   return n > 8 ? 8 : n;
 }
 
@@ -93,10 +97,20 @@ struct GatherOffsets {
 template <>
 struct GatherOffsets<0> {};
 
-template <class Cfg, int kGatherRows = 0>
+// An epilogue's staging buffer (epilogue.cuh, EpiSmem); none for the others.
+template <int kBytes>
+struct EpiBuffer {
+  unsigned char bytes[kBytes];
+};
+template <>
+struct EpiBuffer<0> {};
+
+template <class Cfg, int kGatherRows = 0, int kEpiBytes = 0>
 struct SharedStorage {
   alignas(1024) cute::array_aligned<Bf16, cute::cosize_v<typename Cfg::SmemLayoutA>> A;
   alignas(1024) cute::array_aligned<Bf16, cute::cosize_v<typename Cfg::SmemLayoutB>> B;
+  // 128-byte swizzled TMA-store slabs: 1024-byte aligned, right after the stages (whole KBs).
+  alignas(kEpiBytes > 0 ? 1024 : 1) EpiBuffer<kEpiBytes> epi;
   alignas(8) uint64_t full[Cfg::kStages];   // producer -> consumers: stage loaded
   alignas(8) uint64_t empty[Cfg::kStages];  // consumers -> producer: stage free
   int tile_start[kMaxExperts + 1];          // varlen-M scheduler prefix

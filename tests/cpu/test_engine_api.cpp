@@ -111,6 +111,7 @@ TEST(EngineApi, VarlenKRules) {
 TEST(EngineApi, TileHeuristic) {
   unsetenv("SMOE_ENGINE_SCHED");
   unsetenv("SMOE_ENGINE_BN_M");
+  unsetenv("SMOE_ENGINE_STAGED_STORE");
   auto a = good_m();
   // Long-K store: cooperative, wide tiles when they fill the machine.
   a.K = 4096;
@@ -132,6 +133,22 @@ TEST(EngineApi, TileHeuristic) {
   EXPECT_STREQ(eng::choose_varlen_m(a, 132).name, "dx_store_pp<192>");
   a.N = 448;  // 2 1/3 tiles of 192: 29% padding
   EXPECT_STREQ(eng::choose_varlen_m(a, 132).name, "dx_store_pp<128>");
+  // Up to kStagedStoreMaxK, the ping-pong stores stage their tile for TMA stores (_pps).
+  a.K = eng::kStagedStoreMaxK;
+  EXPECT_STREQ(eng::choose_varlen_m(a, 132).name, "dx_store_pps<128>");
+  a.N = 4096;
+  a.b_major = eng::WeightMajor::kNK;
+  a.K = 256;
+  EXPECT_STREQ(eng::choose_varlen_m(a, 132).name, "down_store_pps<192>");
+  setenv("SMOE_ENGINE_STAGED_STORE", "0", 1);
+  EXPECT_STREQ(eng::choose_varlen_m(a, 132).name, "down_store_pp<192>");
+  setenv("SMOE_ENGINE_STAGED_STORE", "1", 1);
+  a.K = eng::kPingPongMaxK;
+  EXPECT_STREQ(eng::choose_varlen_m(a, 132).name, "down_store_pps<192>");
+  unsetenv("SMOE_ENGINE_STAGED_STORE");
+  a.K = eng::kStagedStoreMaxK + 64;
+  EXPECT_STREQ(eng::choose_varlen_m(a, 132).name, "down_store_pp<192>");
+  a.b_major = eng::WeightMajor::kKN;
   // dSwiGLU: ping-pong at any K; SwiGLU like the stores.
   a.N = 512;
   a.K = 4096;

@@ -270,15 +270,18 @@ void run_m(const MCase& c) {
     const char* bn;
     const char* cluster;
     std::string label;
+    const char* staged = "1";  // SMOE_ENGINE_STAGED_STORE: ping-pong stores staged (_pps) or not (_pp)
   };
-  std::vector<Run> runs = {{"coop", "128", "1", kind + "<128>"}, {"pingpong", "128", "1", kind + "_pp<128>"}};
+  std::vector<Run> runs = {{"coop", "128", "1", kind + "<128>"}, {"pingpong", "128", "1", kind + "_pp<128>", "0"}};
   if (!dswiglu && c.N % 256 == 0) {
     runs.push_back({"coop", "256", "1", kind + "<256>"});
     runs.push_back({"coop", "256", "2", kind + "_c2<256>"});
     if (store) runs.push_back({"coop", "256", "n2", kind + "_n2<256>"});  // a pair along N: A multicast
   }
   if (store) {
-    runs.push_back({"pingpong", "192", "1", kind + "_pp<192>"});
+    runs.push_back({"pingpong", "128", "1", kind + "_pps<128>"});
+    runs.push_back({"pingpong", "192", "1", kind + "_pp<192>", "0"});
+    runs.push_back({"pingpong", "192", "1", kind + "_pps<192>"});
     runs.push_back({"pingpong", "192", "2", kind + "_pp_c2<192>"});
     runs.push_back({"pingpong", "192", "n2", kind + "_pp_n2<192>"});
   } else {
@@ -288,11 +291,13 @@ void run_m(const MCase& c) {
     setenv("SMOE_ENGINE_SCHED", r.sched, 1);
     setenv("SMOE_ENGINE_BN_M", r.bn, 1);
     setenv("SMOE_ENGINE_CLUSTER", r.cluster, 1);
+    setenv("SMOE_ENGINE_STAGED_STORE", r.staged, 1);
     run_m_once(c, r.label.c_str());
   }
   unsetenv("SMOE_ENGINE_SCHED");
   unsetenv("SMOE_ENGINE_BN_M");
   unsetenv("SMOE_ENGINE_CLUSTER");
+  unsetenv("SMOE_ENGINE_STAGED_STORE");
   // The heuristic's own pick (checks expect_bn), as the layer will run it.
   run_m_once(c, eng::choose_varlen_m([&] {
     eng::VarlenMArgs a;
@@ -672,6 +677,7 @@ TEST(GpuEngine, ManyExpertsMostlyEmpty) {
   std::mt19937_64 g(smoe_test::fresh_seed());
   const auto counts = random_counts(512, 5000, g, 0.6);
   run_m({counts, 256, 128, eng::WeightMajor::kNK, eng::Epilogue::kSwiGLU, true});
+  run_m({counts, 192, 128, eng::WeightMajor::kNK, eng::Epilogue::kStore, false});  // staged stores, E = 512
   run_m({counts, 128, 128, eng::WeightMajor::kKN, eng::Epilogue::kDSwiGLU, true});
   run_k({counts, 128, 128, true, false});
   run_k({counts, 128, 128, false, false});
