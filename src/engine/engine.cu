@@ -131,9 +131,9 @@ const Entry<Args>* find(const Entry<Args> (&table)[N], const char* label) {
 // Measured at 6682527 + the staged epilogue (bench/results/h200/store_cost_6682527/, 2 x 9 reps
 // each way): the short-K GEMMs gain 3-11% (K = n = 256: down-proj 30B n256 2.58 vs 2.86-2.95 ms,
 // 7B n256 0.30 vs 0.33; K = 2n = 512: dX~ 30B n256 3.63 vs 3.96-4.11, narrow E384 n256 1.40 vs
-// 1.52; K = 128: narrow E512 n128 down-proj 0.157 vs 0.173), while from K = 1024 the epilogue
-// already hides under the other warpgroup's mainloop and staging is even or 2-4% slower
-// (Qwen3-Next dX~, K = 1024: 2.34-2.38 vs 2.26; 7B n1024 down-proj, K = 1024: 0.24 vs 0.233).
+// 1.52; K = 128: narrow E512 n128 down-proj 0.157 vs 0.173), while from K = 1024 staging is even
+// or 2-4% slower (Qwen3-Next dX~, K = 1024: 2.34-2.38 vs 2.26; 7B n1024 down-proj, K = 1024: 0.24
+// vs 0.233): there the stores still cost HBM bandwidth, which staging cannot buy back.
 bool staged_store(int K) {
   const char* v = std::getenv("SMOE_ENGINE_STAGED_STORE");
   if (v != nullptr && v[0] != '\0') return std::strcmp(v, "0") != 0;

@@ -173,7 +173,7 @@ struct EpiStore : WithoutPrefetch<EpiStore> {
 // row % 8), so no bank conflicts and no shuffles. The tensor map spans the whole output: a box is
 // exact at N but not at an expert's last row, so a 64-row half with fewer valid rows (an expert's
 // last tile) is stored from registers as EpiStore does, predicated per row.
-// Slab k (rows 32 k.. of the tile) is held by warps 2 (k % 2), + 1 of the warpgroup; named barrier
+// Slab k of a 64-row block is held by warps 2 k, 2 k + 1 of the warpgroup; named barrier
 // kBar + warpgroup (128 threads) before it is written (the issuing thread saw its previous store
 // read the buffer) and after (written and fenced to the async proxy).
 struct EpiStoreStaged {

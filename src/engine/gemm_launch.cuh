@@ -18,7 +18,8 @@ inline EpiDSwiGLUParams epi_params(EpiDSwiGLUT<kHalves>*, const VarlenMArgs& a, 
 }
 
 // Schedule of a varlen-M instantiation (tile_config.cuh); kPingPongStaged: ping-pong whose store
-// epilogue stages its tile in shared memory for bulk copies (EpiStoreStaged; fewer stages).
+// epilogue stages its tile in shared memory for TMA stores (EpiStoreStaged; its slabs take shared
+// memory, the stage count stays: 5 at BN 192, 6 at 128).
 enum class Sched { kCoop, kPingPong, kPingPongStaged };
 
 // kCluster: 1, 2 (a pair along M, B multicast) or -2 (a pair along N, A multicast).
