@@ -127,11 +127,10 @@ struct RoutingOutputs {
 
 // Host-side validation only (no CUDA calls). Returns ok or the first broken rule.
 Status routing_can_implement(const RoutingProblem& problem);
-// Workspace bytes of topk_routing; 0 for an invalid problem or a failed CUDA query (T*K = 0 also
-// needs 0 bytes): the overload below tells the three apart.
+// Workspace bytes of topk_routing (and provided_routing); 0 for an invalid problem (T*K = 0 also
+// needs 0 bytes): the overload below tells the two apart. Host arithmetic only, no CUDA call.
 size_t routing_workspace_size(const RoutingProblem& problem);
-// The same with the reason: routing_can_implement's error, or kCudaError when CUB's size query
-// (it reads the device's PTX version) fails, e.g. with no usable GPU. *bytes is set only on ok.
+// The same with the reason: routing_can_implement's error. *bytes is set only on ok.
 Status routing_workspace_size(const RoutingProblem& problem, size_t* bytes);
 
 // logits: [T][E] device array of problem.logits_dtype (fp32: 4-byte aligned, bf16: 2-byte).
