@@ -47,8 +47,9 @@ constexpr int64_t kMaxRows = (int64_t{1} << 31) - 1;
 bool wide_tiles_fill(int64_t tiles_at_256, int sm_count) { return tiles_at_256 >= 2 * sm_count; }
 
 // SMOE_ENGINE_BN_M = 128 / 192 / 256, SMOE_ENGINE_BN_K = 128 / 256, SMOE_ENGINE_SCHED = coop /
-// pingpong and SMOE_ENGINE_CLUSTER = 1 / 2 force the tile, schedule and cluster (where that
-// instantiation exists; otherwise ignored): for tuning sweeps and for tests that run every
+// pingpong / pingpong64 (64 x 256 tiles in pairs; not dA') and SMOE_ENGINE_CLUSTER
+// = 1 / 2 force the tile, schedule and cluster (where that instantiation exists; otherwise
+// ignored): for tuning sweeps and for tests that run every
 // instantiation. Unset, the heuristic decides.
 int forced_bn(const char* var) {
   const char* v = std::getenv(var);
@@ -56,12 +57,13 @@ int forced_bn(const char* var) {
   const int bn = std::atoi(v);
   return bn == 128 || bn == 192 || bn == 256 ? bn : 0;
 }
-enum class ForcedSched { kNone, kCoop, kPingPong };
+enum class ForcedSched { kNone, kCoop, kPingPong, kPingPong64 };
 ForcedSched forced_sched() {
   const char* v = std::getenv("SMOE_ENGINE_SCHED");
   if (v == nullptr) return ForcedSched::kNone;
   if (std::strcmp(v, "coop") == 0) return ForcedSched::kCoop;
   if (std::strcmp(v, "pingpong") == 0) return ForcedSched::kPingPong;
+  if (std::strcmp(v, "pingpong64") == 0) return ForcedSched::kPingPong64;  // 64 x 256 tiles (up-proj)
   return ForcedSched::kNone;
 }
 
@@ -143,7 +145,7 @@ bool staged_store(int K) {
 // "kind[_pp|_pps][_c2|_n2]<BN>" of an instantiation, as CMakeLists.txt labels it; nullptr if not
 // built. A ping-pong store GEMM takes its staged twin (_pps) where one is built and staged_store
 // chooses it.
-const char* varlen_m_label(Epilogue epi, WeightMajor major, bool pp, int cluster, int bn, int K) {
+const char* varlen_m_label(Epilogue epi, WeightMajor major, bool pp, int cluster, int bn, int K, int bm = 128) {
   const char* kind = epi == Epilogue::kSwiGLU    ? "up_swiglu"
                      : epi == Epilogue::kDSwiGLU ? "da_dswiglu"
                      : major == WeightMajor::kNK ? "down_store"
@@ -154,7 +156,7 @@ const char* varlen_m_label(Epilogue epi, WeightMajor major, bool pp, int cluster
     std::snprintf(l, sizeof(l), "%s_pps%s<%d>", kind, cl, bn);
     if (const Entry<VarlenMArgs>* e = find(kTableM, l)) return e->label;
   }
-  std::snprintf(l, sizeof(l), "%s%s%s<%d>", kind, pp ? "_pp" : "", cl, bn);
+  std::snprintf(l, sizeof(l), "%s%s%s<%d>", kind, !pp ? "" : bm == 64 ? "_pp64" : "_pp", cl, bn);
   const Entry<VarlenMArgs>* e = find(kTableM, l);
   return e ? e->label : nullptr;
 }
@@ -173,6 +175,38 @@ bool store_streaming() {
 Choice choose_varlen_m(const VarlenMArgs& a, int sm_count) {
   const bool store = a.epilogue == Epilogue::kStore;
   const int64_t tiles256 = (a.rows / 128) * (a.N / 256);
+  // Cluster of 2 along M (B multicast) when one expert's weight matrix is larger than half the
+  // L2 (kClusterMinWeightBytes): its B panels then stream from HBM again for every wave of M-tiles,
+  // and multicast halves that traffic (DeepSeek-V3.2: up-proj 33.6 -> 29.0 ms, down-proj 18.0 ->
+  // 13.2, dX~ 34.2 -> 27.9). Not with few rows per expert: a pair's second M-tile is idle
+  // padding when an expert's M-tile count is odd (narrow-expert shapes lost 4-8% with it).
+  const int64_t weight_bytes = int64_t{a.N} * a.K * 2;
+  const bool big_weights = weight_bytes > kClusterMinWeightBytes && a.rows >= int64_t{kClusterMinRowsPerExpert} * a.num_experts;
+  ForcedSched fs = forced_sched();
+  const int forced = forced_bn("SMOE_ENGINE_BN_M");
+  const int fc = forced_cluster();
+  // The SwiGLU GEMM (up-proj, x gathered by cp.async): ping-pong 64 x 256 tiles in 2-CTA pairs
+  // sharing B by multicast ("_pp64_c2<256>"). Per FLOP it gathers half the A bytes of 128 x 128
+  // (the gathered cp.async loads are what its mainloop waits for) and, with the pair, reads no
+  // more B from L2; ping-pong still hides the epilogue. Measured against the previous rule (128 x
+  // 128 ping-pong up to K = 2048, else cooperative 128 x 256; bench/results/h200/pp64_up_proj/):
+  // OLMoE 4.41 -> 3.64 ms, Qwen3-235B 11.8 -> 10.4, 120B 7.8 -> 7.0, 30B n512 3.80 -> 3.31, and
+  // off the configs T20000 d3072 n768 2.10 -> 1.81, T12345 2.9 -> 2.5, K1 E16 0.53 -> 0.48; ties
+  // at d <= 1536 with N = 512 (1.4B, 7B). Not with one expert's weights above half the L2
+  // (big_weights: a pair covers 128 rows, so B streams from HBM twice as often as with 128 x 128
+  // pairs; wide E4 K1 n8192 lost 11%) and not with a single column tile (N = 256: narrow E512
+  // K8 n128 lost 7%).
+  const bool pp64_shape = a.epilogue == Epilogue::kSwiGLU && a.N % 256 == 0;
+  // Forced (SMOE_ENGINE_SCHED=pingpong64): also the store GEMMs (down-proj, dX~), not dA'.
+  if (fs == ForcedSched::kPingPong64 && (a.epilogue == Epilogue::kDSwiGLU || a.N % 256 != 0)) fs = ForcedSched::kNone;
+  const bool pp64 = fs == ForcedSched::kPingPong64 ||
+                    (fs == ForcedSched::kNone && forced == 0 && pp64_shape && a.N >= 512 && !big_weights);
+  if (pp64) {
+    const int cluster = fc ? fc : 2;
+    if (const char* name = varlen_m_label(a.epilogue, a.b_major, true, cluster, 256, a.K, 64))
+      return {256, true, cluster, name, 64};
+    fs = ForcedSched::kNone;  // no such twin (a forced cluster 1): the rule below
+  }
   // Schedule (measured over 19 shapes, docs/engine.md): ping-pong hides one warpgroup's epilogue
   // under the other's mainloop, but its 128 x BN tile per warpgroup (BN <= 192, the accumulator's
   // registers) reloads more operand bytes per FLOP than cooperative 128 x 256. So ping-pong where
@@ -180,9 +214,7 @@ Choice choose_varlen_m(const VarlenMArgs& a, int sm_count) {
   // element), and SwiGLU / store GEMMs with K <= kPingPongMaxK (K = n or 2n, or a short d);
   // cooperative 128 x 256 on long-K GEMMs, where the operand traffic is what limits.
   bool pp = a.epilogue == Epilogue::kDSwiGLU || a.K <= pingpong_max_k();
-  const ForcedSched fs = forced_sched();
   if (fs != ForcedSched::kNone) pp = fs == ForcedSched::kPingPong;
-  const int forced = forced_bn("SMOE_ENGINE_BN_M");
   int bn;
   if (pp) {
     // Stores: 128 x 192 (more B reuse per A row than 128 x 128) unless the last column tile would
@@ -196,14 +228,6 @@ Choice choose_varlen_m(const VarlenMArgs& a, int sm_count) {
     const bool wide = a.N % 256 == 0 && (forced ? forced == 256 : wide_tiles_fill(tiles256, sm_count));
     bn = wide ? 256 : 128;
   }
-  // Cluster of 2 along M (B multicast) when one expert's weight matrix is larger than half the
-  // L2 (kClusterMinWeightBytes): its B panels then stream from HBM again for every wave of M-tiles,
-  // and multicast halves that traffic (DeepSeek-V3.2: up-proj 33.6 -> 29.0 ms, down-proj 18.0 ->
-  // 13.2, dX~ 34.2 -> 27.9). Not with few rows per expert: a pair's second M-tile is idle
-  // padding when an expert's M-tile count is odd (narrow-expert shapes lost 4-8% with it).
-  const int64_t weight_bytes = int64_t{a.N} * a.K * 2;
-  const bool big_weights = weight_bytes > kClusterMinWeightBytes && a.rows >= int64_t{kClusterMinRowsPerExpert} * a.num_experts;
-  const int fc = forced_cluster();
   int cluster = fc ? fc : big_weights ? 2 : 1;
   const char* name = varlen_m_label(a.epilogue, a.b_major, pp, cluster, bn, a.K);
   if (name == nullptr && cluster != 1) {  // no clustered twin of this tile / schedule

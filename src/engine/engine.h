@@ -97,6 +97,7 @@ struct Choice {
   bool pingpong;     // schedule (tile_config.cuh): ping-pong or cooperative
   int cluster;       // 1, 2 (a pair along M, B multicast) or -2 (a pair along N, A multicast)
   const char* name;  // the instantiation, e.g. "down_store_pp_c2<192>"; nullptr: none fits
+  int bm = 128;      // rows of a tile: 128, or 64 (ping-pong 64 x 256, "_pp64")
 };
 // SwiGLU and store GEMMs with K up to this run ping-pong by default (engine.cu).
 constexpr int kPingPongMaxK = 2048;

@@ -20,13 +20,18 @@ inline EpiDSwiGLUParams epi_params(EpiDSwiGLUT<kHalves>*, const VarlenMArgs& a, 
 // Schedule of a varlen-M instantiation (tile_config.cuh); kPingPongStaged: ping-pong whose store
 // epilogue stages its tile in shared memory for TMA stores (EpiStoreStaged; its slabs take shared
 // memory, the stage count stays: 5 at BN 192, 6 at 128).
-enum class Sched { kCoop, kPingPong, kPingPongStaged };
+// kPingPong64: ping-pong with 64 x BN tiles (BN = 256: one m64n256 wgmma per K-step, half the
+// gathered bytes per FLOP of 128 x 128; tile_config.cuh).
+enum class Sched { kCoop, kPingPong, kPingPongStaged, kPingPong64 };
 
 // kCluster: 1, 2 (a pair along M, B multicast) or -2 (a pair along N, A multicast).
 template <int BN, GMMA::Major kMajorB, Sched kSched, int kCluster>
 using VarlenMConfig =
-    TileConfig<BN, stages_for(BN, kSched == Sched::kPingPongStaged ? EpiStoreStaged::smem_bytes<BN>() : 0),
-               GMMA::Major::K, kMajorB, kSched != Sched::kCoop, kCluster < 0 ? -kCluster : kCluster, (kCluster < 0)>;
+    TileConfig<BN,
+               stages_for(BN, kSched == Sched::kPingPongStaged ? EpiStoreStaged::smem_bytes<BN>() : 0,
+                          kSched == Sched::kPingPong64 ? 64 : 128),
+               GMMA::Major::K, kMajorB, kSched != Sched::kCoop, kCluster < 0 ? -kCluster : kCluster, (kCluster < 0),
+               kSched == Sched::kPingPong64 ? 64 : 128>;
 // The store epilogue of a schedule.
 template <Sched S>
 using StoreEpi = std::conditional_t<S == Sched::kPingPongStaged, EpiStoreStaged, EpiStore>;

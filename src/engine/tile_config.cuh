@@ -45,7 +45,7 @@ struct SmemOperand {
 };
 
 template <int BN_, int Stages_, GMMA::Major MajorA_, GMMA::Major MajorB_, bool PingPong_ = false,
-          int ClusterM_ = 1, bool ClusterAlongN_ = false>
+          int ClusterM_ = 1, bool ClusterAlongN_ = false, int BM_ = 128>
 struct TileConfig {
   static constexpr bool kPingPong = PingPong_;
   // CTAs per cluster (1 or 2). Along M (default): the pair takes adjacent M-tiles of one expert
@@ -59,7 +59,10 @@ struct TileConfig {
   static_assert(kClusterM == 1 || kClusterM == 2, "cluster: 1 or 2 CTAs");
   static_assert(!kClusterAlongN || kClusterM == 2, "a cluster along N needs 2 CTAs");
   static constexpr int kMmaThreads = kPingPong ? 128 : 256;  // threads that share one tile
-  static constexpr int BM = 128;
+  // BM: rows of a tile, 128; or 64 in ping-pong (64 x 256 per warpgroup: one m64n256 wgmma, half
+  // the gathered A bytes per FLOP of 128 x 128, the accumulator's 128 registers per thread).
+  static constexpr int BM = BM_;
+  static_assert(BM == 128 || (BM == 64 && PingPong_), "BM: 128, or 64 in ping-pong");
   static constexpr int BN = BN_;
   static constexpr int BK = 64;
   static constexpr int kStages = Stages_;
@@ -68,7 +71,7 @@ struct TileConfig {
   static constexpr int kBytesA = BM * BK * 2;  // one stage of A
   static constexpr int kBytesB = BN * BK * 2;
   static_assert(BN % 64 == 0 && BN <= 256, "BN: a multiple of 64 up to 256 (one wgmma N)");
-  static_assert(!kPingPong || BN <= 192, "ping-pong: BN registers of accumulator per thread, <= 192");
+  static_assert(!kPingPong || BM * BN / 128 <= 192, "ping-pong: BM x BN / 128 accumulator registers per thread, <= 192");
 
   using SmemLayoutA = typename SmemOperand<kMajorA, BM, BK, kStages>::Layout;
   using SmemLayoutB = typename SmemOperand<kMajorB, BN, BK, kStages>::Layout;
@@ -81,8 +84,8 @@ struct TileConfig {
 // kept for them), or next to an epilogue's staging buffer (epi_bytes), which follows the stages
 // directly (SharedStorage): then only the prefix and barriers' exact size is kept back, since one
 // more stage for 128 x 192 ping-pong (5, not 4) fits only that way.
-constexpr int stages_for(int BN, int epi_bytes = 0) {
-  const int per_stage = (128 + BN) * 64 * 2;
+constexpr int stages_for(int BN, int epi_bytes = 0, int BM = 128) {
+  const int per_stage = (BM + BN) * 64 * 2;
   const int reserve = epi_bytes > 0 ? 4 * (kMaxExperts + 1) + 2 * 8 * 8 + 64 : 4096;
   const int n = (kSmemLimit - reserve - epi_bytes) / per_stage;
   return n > 8 ? 8 : n;

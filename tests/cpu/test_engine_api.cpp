@@ -156,9 +156,25 @@ TEST(EngineApi, TileHeuristic) {
   EXPECT_STREQ(eng::choose_varlen_m(a, 132).name, "da_dswiglu_pp<128>");
   a.b_major = eng::WeightMajor::kNK;
   a.epilogue = eng::Epilogue::kSwiGLU;
-  EXPECT_STREQ(eng::choose_varlen_m(a, 132).name, "up_swiglu<256>");
+  // SwiGLU with N % 256 == 0, N >= 512 and weights inside half the L2: ping-pong 64 x 256 pairs
+  // at any K.
+  EXPECT_STREQ(eng::choose_varlen_m(a, 132).name, "up_swiglu_pp64_c2<256>");
+  EXPECT_EQ(eng::choose_varlen_m(a, 132).bm, 64);
+  EXPECT_EQ(eng::choose_varlen_m(a, 132).cluster, 2);
   a.K = 2048;
+  EXPECT_STREQ(eng::choose_varlen_m(a, 132).name, "up_swiglu_pp64_c2<256>");
+  a.N = 256;  // one column tile: the 128-row rule (ping-pong 128 x 128 up to kPingPongMaxK)
   EXPECT_STREQ(eng::choose_varlen_m(a, 132).name, "up_swiglu_pp<128>");
+  EXPECT_EQ(eng::choose_varlen_m(a, 132).bm, 128);
+  a.N = 512;
+  a.K = 4096;
+  setenv("SMOE_ENGINE_CLUSTER", "1", 1);  // no unpaired 64 x 256 twin: the 128-row rule
+  EXPECT_STREQ(eng::choose_varlen_m(a, 132).name, "up_swiglu<256>");
+  unsetenv("SMOE_ENGINE_CLUSTER");
+  setenv("SMOE_ENGINE_SCHED", "pingpong", 1);  // a forced schedule overrides the 64 x 256 rule
+  EXPECT_STREQ(eng::choose_varlen_m(a, 132).name, "up_swiglu_pp<128>");
+  unsetenv("SMOE_ENGINE_SCHED");
+  a.K = 2048;
   // Cluster of 2 (B multicast) for experts whose weights outgrow half the L2, given enough rows.
   a.num_experts = 256;
   a.rows = 262144;  // 1024 rows per expert

@@ -284,8 +284,11 @@ void run_m(const MCase& c) {
     runs.push_back({"pingpong", "192", "1", kind + "_pps<192>"});
     runs.push_back({"pingpong", "192", "2", kind + "_pp_c2<192>"});
     runs.push_back({"pingpong", "192", "n2", kind + "_pp_n2<192>"});
+    if (c.N % 256 == 0) runs.push_back({"pingpong64", "256", "2", kind + "_pp64_c2<256>"});
   } else {
     runs.push_back({"pingpong", "128", "2", kind + "_pp_c2<128>"});
+    if (!dswiglu && c.N % 256 == 0)  // ping-pong 64 x 256 tiles in pairs (up-proj)
+      runs.push_back({"pingpong64", "256", "2", kind + "_pp64_c2<256>"});
   }
   for (const Run& r : runs) {
     setenv("SMOE_ENGINE_SCHED", r.sched, 1);
@@ -563,8 +566,9 @@ void run_gate_up_once(const std::vector<int>& counts, int n, int d, const char* 
 }
 
 void run_gate_up(const std::vector<int>& counts, int n, int d) {
-  const char* runs[][3] = {{"coop", "128", "1"}, {"pingpong", "128", "1"}, {"coop", "256", "1"},
-                           {"pingpong", "192", "1"}, {"pingpong", "128", "2"}, {"coop", "256", "2"}};
+  const char* runs[][3] = {{"coop", "128", "1"},       {"pingpong", "128", "1"},   {"coop", "256", "1"},
+                           {"pingpong", "192", "1"},   {"pingpong", "128", "2"},   {"coop", "256", "2"},
+                           {"pingpong64", "256", "2"}};
   for (const auto& r : runs) run_gate_up_once(counts, n, d, r[0], r[1], r[2]);
   unsetenv("SMOE_ENGINE_SCHED");
   unsetenv("SMOE_ENGINE_BN_M");
