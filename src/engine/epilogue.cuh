@@ -524,18 +524,48 @@ struct EpiDSwiGLUT {
   // would sit 4 rows of H next to the 128 x BN accumulator (a spill); loading each just before its
   // use (as before) waited out one HBM round trip per row, 4 per tile, which at small d (few
   // K-tiles for the other warpgroup's mainloop to hide them under) made dA' latency-bound.
+  //
+  // A 64 x 256 tile (ping-pong 64-row tiles) runs as two 128-column halves per row, so the
+  // registers match the 128 x 128 tile's (4 half-rows of 16 groups, two in flight) and each half
+  // writes its own dS partial: the [rows][N / 128] layout the row sum reads stays one tile width.
   template <class Accum, class Coords>
   __device__ static void apply_tile(const Params& p, const Accum& acc, const Coords& cd, const TileCtx& t) {
-    constexpr int G = acc_col_groups<decltype(acc(_, 0, _))>();
-    constexpr int kRows = 2 * decltype(size<1>(acc))::value;  // i = 2 mi + h
+    constexpr int GT = acc_col_groups<decltype(acc(_, 0, _))>();
+    static_assert(GT == 16 || GT == 32, "dSwiGLU tiles: 128 or 256 columns");
+    constexpr int kHalvesPerRow = GT / 16;  // 128-column parts of a row
+    constexpr int G = 16;
+    constexpr int kRows = 2 * decltype(size<1>(acc))::value * kHalvesPerRow;  // i = (2 mi + h) * parts + c
+    // Part c of a row: the tile's columns 128 c.., its own dS slot.
+    auto part_ctx = [&](int c) {
+      TileCtx tc = t;
+      tc.col0 = t.col0 + 128 * c;
+      tc.cols = t.cols - 128 * c;
+      tc.n_tile = t.n_tile * kHalvesPerRow + c;
+      return tc;
+    };
+    auto part_acc = [&](int mi, int c) {
+      auto a = acc(_, mi, _);
+      if constexpr (kHalvesPerRow == 1)
+        return a;
+      else  // groups 16 c .. 16 c + 15: elements 64 c .. of the fragment (4 per group)
+        return make_tensor(a.data() + 64 * c, make_layout(Int<64>{}));
+    };
     RowInputs<G> buf[2];
-    buf[0] = load_row<G>(p, cd(_, 0, _), t, 0);
+    buf[0] = load_row<G>(p, cd(_, 0, _), part_ctx(0), 0);
     CUTE_UNROLL
     for (int i = 0; i < kRows; ++i) {
+      const int c = i % kHalvesPerRow, row = i / kHalvesPerRow;  // row = 2 mi + h
       auto next = [&] {
-        if (i + 1 < kRows) buf[(i + 1) & 1] = load_row<G>(p, cd(_, (i + 1) / 2, _), t, (i + 1) % 2);
+        if (i + 1 < kRows) {
+          const int c1 = (i + 1) % kHalvesPerRow, row1 = (i + 1) / kHalvesPerRow;
+          buf[(i + 1) & 1] = load_row<G>(p, cd(_, row1 / 2, _), part_ctx(c1), row1 % 2);
+        }
       };
-      apply_row(p, acc(_, i / 2, _), cd(_, i / 2, _), t, i % 2, buf[i & 1], next);
+      const TileCtx tc = part_ctx(c);
+      if (tc.cols > 0)  // a part wholly past N (N % 256 != 0) computes nothing and writes no dS slot
+        apply_row(p, part_acc(row / 2, c), cd(_, row / 2, _), tc, row % 2, buf[i & 1], next);
+      else
+        next();
     }
   }
 

@@ -13,8 +13,9 @@ inline EpiStore::Params epi_params(EpiStoreStaged*, const VarlenMArgs& a, int) {
 template <bool kHalves>
 inline EpiSwiGLUParams epi_params(EpiSwiGLUT<kHalves>*, const VarlenMArgs& a, int) { return {a.D, a.D2, a.N}; }
 template <bool kHalves>
-inline EpiDSwiGLUParams epi_params(EpiDSwiGLUT<kHalves>*, const VarlenMArgs& a, int n_tiles) {
-  return {a.H, a.dH, a.D2, a.scores, a.scatter, a.ds_partial, a.N, n_tiles};
+inline EpiDSwiGLUParams epi_params(EpiDSwiGLUT<kHalves>*, const VarlenMArgs& a, int) {
+  // dS partials per 128 columns whatever the tile width (a 256-wide tile writes two; epilogue.cuh)
+  return {a.H, a.dH, a.D2, a.scores, a.scatter, a.ds_partial, a.N, ds_partial_tiles(a.N)};
 }
 
 // Schedule of a varlen-M instantiation (tile_config.cuh); kPingPongStaged: ping-pong whose store

@@ -153,7 +153,13 @@ TEST(EngineApi, TileHeuristic) {
   a.N = 512;
   a.K = 4096;
   a.epilogue = eng::Epilogue::kDSwiGLU;
+  EXPECT_STREQ(eng::choose_varlen_m(a, 132).name, "da_dswiglu_pp64_c2<256>");  // N % 256 == 0, N >= 512, K >= 2048
+  a.N = 256;
   EXPECT_STREQ(eng::choose_varlen_m(a, 132).name, "da_dswiglu_pp<128>");
+  a.N = 512;
+  a.K = 1536;  // dA' at d < 2048: 128 x 128
+  EXPECT_STREQ(eng::choose_varlen_m(a, 132).name, "da_dswiglu_pp<128>");
+  a.K = 4096;
   a.b_major = eng::WeightMajor::kNK;
   a.epilogue = eng::Epilogue::kSwiGLU;
   // SwiGLU with N % 256 == 0, N >= 512 and weights inside half the L2: ping-pong 64 x 256 pairs

@@ -284,10 +284,9 @@ void run_m(const MCase& c) {
     runs.push_back({"pingpong", "192", "1", kind + "_pps<192>"});
     runs.push_back({"pingpong", "192", "2", kind + "_pp_c2<192>"});
     runs.push_back({"pingpong", "192", "n2", kind + "_pp_n2<192>"});
-    if (c.N % 256 == 0) runs.push_back({"pingpong64", "256", "2", kind + "_pp64_c2<256>"});
   } else {
     runs.push_back({"pingpong", "128", "2", kind + "_pp_c2<128>"});
-    if (!dswiglu && c.N % 256 == 0)  // ping-pong 64 x 256 tiles in pairs (up-proj)
+    if (c.N % 256 == 0)  // ping-pong 64 x 256 tiles in pairs (up-proj, dA')
       runs.push_back({"pingpong64", "256", "2", kind + "_pp64_c2<256>"});
   }
   for (const Run& r : runs) {
@@ -584,6 +583,7 @@ void run_gate_up(const std::vector<int>& counts, int n, int d) {
 TEST(GpuEngine, GateUpTwoTensors) {
   run_gate_up(kEdgeCounts, 128, 192);  // 2n = 256: the 256-wide up-proj tiles too
   run_gate_up(kEdgeCounts, 64, 128);   // the smallest n: one 128-wide tile of pairs, half of it valid at 256
+  run_gate_up(kEdgeCounts, 256, 128);  // n = 256: dA' (halves) in 64 x 256 pairs too
   run_gate_up({0, 0, 2000, 0}, 192, 256);  // one hot expert; 2n = 384: a partial 256-wide tile
 }
 
@@ -621,6 +621,7 @@ TEST(GpuEngine, SwiGLUGathered) {
 }
 TEST(GpuEngine, DSwiGLUGathered) {
   run_m({kEdgeCounts, 192, 256, eng::WeightMajor::kKN, eng::Epilogue::kDSwiGLU, true});
+  run_m({kEdgeCounts, 512, 128, eng::WeightMajor::kKN, eng::Epilogue::kDSwiGLU, true});  // 64 x 256 pairs
   run_m({kEdgeCounts, 64, 64, eng::WeightMajor::kKN, eng::Epilogue::kDSwiGLU, true});
 }
 TEST(GpuEngine, OneHotExpertAndK1) {
