@@ -47,10 +47,9 @@ constexpr int64_t kMaxRows = (int64_t{1} << 31) - 1;
 bool wide_tiles_fill(int64_t tiles_at_256, int sm_count) { return tiles_at_256 >= 2 * sm_count; }
 
 // SMOE_ENGINE_BN_M = 128 / 192 / 256, SMOE_ENGINE_BN_K = 128 / 256, SMOE_ENGINE_SCHED = coop /
-// pingpong / pingpong64 (64 x 256 tiles in pairs: up-proj, dA') and SMOE_ENGINE_CLUSTER
-// = 1 / 2 force the tile, schedule and cluster (where that instantiation exists; otherwise
-// ignored): for tuning sweeps and for tests that run every
-// instantiation. Unset, the heuristic decides.
+// pingpong / pingpong64 (64 x 256 tiles in pairs: up-proj, dA') and SMOE_ENGINE_CLUSTER = 1 / 2
+// force the tile, schedule and cluster (where that instantiation exists; otherwise ignored): for
+// tuning sweeps and for tests that run every instantiation. Unset, the heuristic decides.
 int forced_bn(const char* var) {
   const char* v = std::getenv(var);
   if (v == nullptr) return 0;
@@ -63,7 +62,7 @@ ForcedSched forced_sched() {
   if (v == nullptr) return ForcedSched::kNone;
   if (std::strcmp(v, "coop") == 0) return ForcedSched::kCoop;
   if (std::strcmp(v, "pingpong") == 0) return ForcedSched::kPingPong;
-  if (std::strcmp(v, "pingpong64") == 0) return ForcedSched::kPingPong64;  // 64 x 256 tiles (up-proj)
+  if (std::strcmp(v, "pingpong64") == 0) return ForcedSched::kPingPong64;  // 64 x 256 pairs (up-proj, dA')
   return ForcedSched::kNone;
 }
 
@@ -188,8 +187,9 @@ Choice choose_varlen_m(const VarlenMArgs& a, int sm_count) {
   // The gathered GEMMs (up-proj: x, SwiGLU; dA': dO, dSwiGLU + dS): ping-pong 64 x 256 tiles in
   // 2-CTA pairs sharing B by multicast ("_pp64_c2<256>"). Per FLOP it gathers half the A bytes of
   // 128 x 128 (the gathered cp.async loads are what its mainloop waits for) and, with the pair,
-  // reads no more B from L2; ping-pong still hides the epilogue. Measured against the previous rule (128 x
-  // 128 ping-pong up to K = 2048, else cooperative 128 x 256; bench/results/h200/pp64_up_proj/):
+  // reads no more B from L2; ping-pong still hides the epilogue. Measured against the previous
+  // rule (128 x 128 ping-pong up to K = 2048, else cooperative 128 x 256;
+  // bench/results/h200/pp64_up_proj/):
   // OLMoE 4.41 -> 3.64 ms, Qwen3-235B 11.8 -> 10.4, 120B 7.8 -> 7.0, 30B n512 3.80 -> 3.31, and
   // off the configs T20000 d3072 n768 2.10 -> 1.81, T12345 2.9 -> 2.5, K1 E16 0.53 -> 0.48; ties
   // at d <= 1536 with N = 512 (1.4B, 7B). Not with one expert's weights above half the L2
@@ -199,10 +199,11 @@ Choice choose_varlen_m(const VarlenMArgs& a, int sm_count) {
   const bool pp64_shape = a.epilogue != Epilogue::kStore && a.N % 256 == 0;
   if (fs == ForcedSched::kPingPong64 && !pp64_shape) fs = ForcedSched::kNone;  // gathered GEMMs only
   // dA' only from K = d = 2048: measured on the H200 (bench/results/h200/pp64_up_proj/da_pp64.md),
-  // its 64 x 256 pairs gained 4-10% at d >= 2048 (Qwen3-235B 7.05 -> 6.38 ms, 120B 4.49 -> 4.17, 30B
-  // n512 2.23 -> 2.09, OLMoE 2.75 -> 2.64) and lost 1-2% at d = 1536 (7B n512 0.462 vs 0.455): its
-  // epilogue is twice the up-proj's per element, and a short mainloop hides less of it.
-  const bool pp64_rule = pp64_shape && a.N >= 512 && !big_weights && (a.epilogue == Epilogue::kSwiGLU || a.K >= 2048);
+  // its 64 x 256 pairs gained 4-10% at d >= 2048 (Qwen3-235B 7.05 -> 6.38 ms, 120B 4.49 -> 4.17,
+  // 30B n512 2.23 -> 2.09, OLMoE 2.75 -> 2.64) and lost 1-2% at d = 1536 (7B n512 0.462 vs
+  // 0.455): its epilogue is twice the up-proj's per element, and a short mainloop hides less.
+  const bool pp64_rule =
+      pp64_shape && a.N >= 512 && !big_weights && (a.epilogue == Epilogue::kSwiGLU || a.K >= 2048);
   const bool pp64 = fs == ForcedSched::kPingPong64 || (fs == ForcedSched::kNone && forced == 0 && pp64_rule);
   if (pp64) {
     const int cluster = fc ? fc : 2;
