@@ -57,7 +57,7 @@ Status router_backward_tr(const float* dS, const int32_t* entry_expert, const in
 // null) (+ dx_router[t] fp32 [T][d] when not null), fp32 in entry order.
 Status dx_sum(const bf16* dXt, const int32_t* rev, const int32_t* token_offset, const float* dl,
               const int32_t* entry_expert, const bf16* w_router, const float* dx_router, int d, int64_t T,
-              bf16* dx, cudaStream_t stream, const int32_t* valid = nullptr);
+              int E, int sms, bf16* dx, cudaStream_t stream, const int32_t* valid = nullptr);
 Status f32_to_bf16(const float* in, bf16* out, int64_t n, cudaStream_t stream);
 
 }  // namespace kernels
