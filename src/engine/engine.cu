@@ -127,21 +127,23 @@ const Entry<Args>* find(const Entry<Args> (&table)[N], const char* label) {
   return nullptr;
 }
 
-// Staged stores (EpiStoreStaged, labels _pps) for a ping-pong store GEMM with this K: by default
-// for K <= kStagedStoreMaxK; SMOE_ENGINE_STAGED_STORE=0 / 1 forces them off / on.
+// Staged stores (EpiStoreStagedT, labels _pps / _pps2) for a ping-pong store GEMM with this K: 0
+// (none), 1 (one 32-row slab per warpgroup) or 2 (two, a 64-row buffer); by default 2 for K <=
+// kStagedStore2MaxK, 1 for K <= kStagedStoreMaxK (epilogue.cuh has the measurements),
+// SMOE_ENGINE_STAGED_STORE=0 / 1 / 2 forces one.
 // Measured at 6682527 + the staged epilogue (bench/results/h200/store_cost_6682527/, 2 x 9 reps
 // each way): the short-K GEMMs gain 3-11% (K = n = 256: down-proj 30B n256 2.58 vs 2.86-2.95 ms,
 // 7B n256 0.30 vs 0.33; K = 2n = 512: dX~ 30B n256 3.63 vs 3.96-4.11, narrow E384 n256 1.40 vs
 // 1.52; K = 128: narrow E512 n128 down-proj 0.157 vs 0.173), while from K = 1024 staging is even
 // or 2-4% slower (Qwen3-Next dX~, K = 1024: 2.34-2.38 vs 2.26; 7B n1024 down-proj, K = 1024: 0.24
 // vs 0.233): there the stores still cost HBM bandwidth, which staging cannot buy back.
-bool staged_store(int K) {
+int staged_store(int K) {
   const char* v = std::getenv("SMOE_ENGINE_STAGED_STORE");
-  if (v != nullptr && v[0] != '\0') return std::strcmp(v, "0") != 0;
-  return K <= kStagedStoreMaxK;
+  if (v != nullptr && v[0] != '\0') return std::strcmp(v, "2") == 0 ? 2 : std::strcmp(v, "0") != 0 ? 1 : 0;
+  return K <= kStagedStore2MaxK ? 2 : K <= kStagedStoreMaxK ? 1 : 0;
 }
 
-// "kind[_pp|_pps][_c2|_n2]<BN>" of an instantiation, as CMakeLists.txt labels it; nullptr if not
+// "kind[_pp|_pps|_pps2][_c2|_n2]<BN>" of an instantiation, as CMakeLists.txt labels it; nullptr if not
 // built. A ping-pong store GEMM takes its staged twin (_pps) where one is built and staged_store
 // chooses it.
 const char* varlen_m_label(Epilogue epi, WeightMajor major, bool pp, int cluster, int bn, int K, int bm = 128) {
@@ -151,8 +153,8 @@ const char* varlen_m_label(Epilogue epi, WeightMajor major, bool pp, int cluster
                                                  : "dx_store";
   char l[48];  // on the stack: this runs on every GEMM call
   const char* cl = cluster > 1 ? "_c2" : cluster < 0 ? "_n2" : "";
-  if (pp && epi == Epilogue::kStore && staged_store(K)) {
-    std::snprintf(l, sizeof(l), "%s_pps%s<%d>", kind, cl, bn);
+  if (const int staged = pp && epi == Epilogue::kStore ? staged_store(K) : 0) {
+    std::snprintf(l, sizeof(l), "%s_pps%s%s<%d>", kind, staged == 2 ? "2" : "", cl, bn);
     if (const Entry<VarlenMArgs>* e = find(kTableM, l)) return e->label;
   }
   std::snprintf(l, sizeof(l), "%s%s%s<%d>", kind, !pp ? "" : bm == 64 ? "_pp64" : "_pp", cl, bn);

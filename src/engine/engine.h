@@ -106,8 +106,10 @@ constexpr int kPingPongMaxK = 2048;
 constexpr int64_t kClusterMinWeightBytes = int64_t{24} << 20;
 constexpr int kClusterMinRowsPerExpert = 512;
 // Ping-pong store GEMMs with K up to this stage their tile in shared memory for TMA stores
-// (EpiStoreStaged) by default (engine.cu).
+// (EpiStoreStagedT) by default (engine.cu).
 constexpr int kStagedStoreMaxK = 512;
+// ... in two slabs per warpgroup (a 64-row buffer, EpiStoreStagedT<2>, labels _pps2) up to this K.
+constexpr int kStagedStore2MaxK = 256;
 Choice choose_varlen_m(const VarlenMArgs& a, int sm_count);
 Choice choose_varlen_k(const VarlenKArgs& a, int sm_count);
 // The epilogues store their outputs with L2 evict-first (st.global.cs) unless

@@ -194,10 +194,10 @@ struct VarlenMKernel {
   // halves (its two tensors split K instead): the full layout stands in.
   using SmemLayoutBHalf = typename HalfB<Cfg>::Layout;
   using TmaBHalf = decltype(tma_for_b(nullptr, GmemB{}, SmemLayoutBHalf{}));
-  // A staged store epilogue's TMA store over D [rows][N] (EpiStoreStaged; unused otherwise).
-  static constexpr bool kStagedEpi = std::is_same_v<Epi, EpiStoreStaged>;
+  // A staged store epilogue's TMA store over D [rows][N] (EpiStoreStagedT; unused otherwise).
+  static constexpr bool kStagedEpi = kIsStagedStore<Epi>;
   static_assert(!kStagedEpi || !kGather, "staged stores: D has the A tensor's rows (TMA A)");
-  using SmemLayoutD = EpiStoreStaged::SmemLayout<Cfg::BN>;
+  using SmemLayoutD = EpiStoreStagedT<1>::SmemLayout<Cfg::BN>;  // one 32-row slab, either kSlabs
   static auto tma_for_d(Bf16* ptr, GmemK gl) { return make_tma_copy(SM90_TMA_STORE{}, make_tensor(make_gmem_ptr(ptr), gl), SmemLayoutD{}); }
   using TmaD = decltype(tma_for_d(nullptr, GmemK{}));
 

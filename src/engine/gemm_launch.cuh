@@ -9,7 +9,8 @@ namespace smoe {
 namespace engine {
 
 inline EpiStore::Params epi_params(EpiStore*, const VarlenMArgs& a, int) { return {a.D, a.N}; }
-inline EpiStore::Params epi_params(EpiStoreStaged*, const VarlenMArgs& a, int) { return {a.D, a.N}; }
+template <int kSlabs>
+inline EpiStore::Params epi_params(EpiStoreStagedT<kSlabs>*, const VarlenMArgs& a, int) { return {a.D, a.N}; }
 template <bool kHalves>
 inline EpiSwiGLUParams epi_params(EpiSwiGLUT<kHalves>*, const VarlenMArgs& a, int) { return {a.D, a.D2, a.N}; }
 template <bool kHalves>
@@ -18,24 +19,25 @@ inline EpiDSwiGLUParams epi_params(EpiDSwiGLUT<kHalves>*, const VarlenMArgs& a, 
   return {a.H, a.dH, a.D2, a.scores, a.scatter, a.ds_partial, a.N, ds_partial_tiles(a.N)};
 }
 
-// Schedule of a varlen-M instantiation (tile_config.cuh); kPingPongStaged: ping-pong whose store
-// epilogue stages its tile in shared memory for TMA stores (EpiStoreStaged; its slabs take shared
-// memory, the stage count stays: 5 at BN 192, 6 at 128).
+// Schedule of a varlen-M instantiation (tile_config.cuh); kPingPongStaged / kPingPongStaged2:
+// ping-pong whose store epilogue stages its tile in shared memory for TMA stores, in one or two
+// 32-row slabs per warpgroup (EpiStoreStagedT<1 / 2>; stages 5 / 4 at BN 192, 6 / 6 at 128).
 // kPingPong64: ping-pong with 64 x BN tiles (BN = 256: one m64n256 wgmma per K-step, half the
 // gathered bytes per FLOP of 128 x 128; tile_config.cuh).
-enum class Sched { kCoop, kPingPong, kPingPongStaged, kPingPong64 };
+enum class Sched { kCoop, kPingPong, kPingPongStaged, kPingPongStaged2, kPingPong64 };
+// The store epilogue of a schedule.
+template <Sched S>
+using StoreEpi = std::conditional_t<S == Sched::kPingPongStaged, EpiStoreStagedT<1>,
+                                    std::conditional_t<S == Sched::kPingPongStaged2, EpiStoreStagedT<2>, EpiStore>>;
 
 // kCluster: 1, 2 (a pair along M, B multicast) or -2 (a pair along N, A multicast).
 template <int BN, GMMA::Major kMajorB, Sched kSched, int kCluster>
 using VarlenMConfig =
     TileConfig<BN,
-               stages_for(BN, kSched == Sched::kPingPongStaged ? EpiStoreStaged::smem_bytes<BN>() : 0,
+               stages_for(BN, EpiSmem<StoreEpi<kSched>, BN>::kBytes,
                           kSched == Sched::kPingPong64 ? 64 : 128),
                GMMA::Major::K, kMajorB, kSched != Sched::kCoop, kCluster < 0 ? -kCluster : kCluster, (kCluster < 0),
                kSched == Sched::kPingPong64 ? 64 : 128>;
-// The store epilogue of a schedule.
-template <Sched S>
-using StoreEpi = std::conditional_t<S == Sched::kPingPongStaged, EpiStoreStaged, EpiStore>;
 
 template <class Cfg, ALoad kALoad, class Epi>
 Status run_varlen_m(const VarlenMArgs& a, int sm_count, cudaStream_t stream, const char* name) {

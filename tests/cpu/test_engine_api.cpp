@@ -138,12 +138,24 @@ TEST(EngineApi, TileHeuristic) {
   EXPECT_STREQ(eng::choose_varlen_m(a, 132).name, "dx_store_pps<128>");
   a.N = 4096;
   a.b_major = eng::WeightMajor::kNK;
-  a.K = 256;
+  a.K = eng::kStagedStore2MaxK + 64;
   EXPECT_STREQ(eng::choose_varlen_m(a, 132).name, "down_store_pps<192>");
+  // Up to kStagedStore2MaxK, in a 64-row buffer per warpgroup (_pps2).
+  a.K = eng::kStagedStore2MaxK;
+  EXPECT_STREQ(eng::choose_varlen_m(a, 132).name, "down_store_pps2<192>");
+  a.b_major = eng::WeightMajor::kKN;
+  a.N = 448;
+  EXPECT_STREQ(eng::choose_varlen_m(a, 132).name, "dx_store_pps2<128>");
+  a.b_major = eng::WeightMajor::kNK;
+  a.N = 4096;
   setenv("SMOE_ENGINE_STAGED_STORE", "0", 1);
   EXPECT_STREQ(eng::choose_varlen_m(a, 132).name, "down_store_pp<192>");
   setenv("SMOE_ENGINE_STAGED_STORE", "1", 1);
+  EXPECT_STREQ(eng::choose_varlen_m(a, 132).name, "down_store_pps<192>");
+  setenv("SMOE_ENGINE_STAGED_STORE", "2", 1);
   a.K = eng::kPingPongMaxK;
+  EXPECT_STREQ(eng::choose_varlen_m(a, 132).name, "down_store_pps2<192>");
+  setenv("SMOE_ENGINE_STAGED_STORE", "1", 1);
   EXPECT_STREQ(eng::choose_varlen_m(a, 132).name, "down_store_pps<192>");
   unsetenv("SMOE_ENGINE_STAGED_STORE");
   a.K = eng::kStagedStoreMaxK + 64;

@@ -270,7 +270,7 @@ void run_m(const MCase& c) {
     const char* bn;
     const char* cluster;
     std::string label;
-    const char* staged = "1";  // SMOE_ENGINE_STAGED_STORE: ping-pong stores staged (_pps) or not (_pp)
+    const char* staged = "1";  // SMOE_ENGINE_STAGED_STORE: ping-pong stores staged (_pps, _pps2) or not (_pp)
   };
   std::vector<Run> runs = {{"coop", "128", "1", kind + "<128>"}, {"pingpong", "128", "1", kind + "_pp<128>", "0"}};
   if (!dswiglu && c.N % 256 == 0) {
@@ -282,6 +282,8 @@ void run_m(const MCase& c) {
     runs.push_back({"pingpong", "128", "1", kind + "_pps<128>"});
     runs.push_back({"pingpong", "192", "1", kind + "_pp<192>", "0"});
     runs.push_back({"pingpong", "192", "1", kind + "_pps<192>"});
+    runs.push_back({"pingpong", "128", "1", kind + "_pps2<128>", "2"});
+    runs.push_back({"pingpong", "192", "1", kind + "_pps2<192>", "2"});
     runs.push_back({"pingpong", "192", "2", kind + "_pp_c2<192>"});
     runs.push_back({"pingpong", "192", "n2", kind + "_pp_n2<192>"});
   } else {
