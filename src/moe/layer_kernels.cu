@@ -205,11 +205,10 @@ __global__ void router_backward_tr_kernel(const float* __restrict__ dS, const in
   }
 }
 
-// dX[t] = sum over entries j of t: dX~[rev[j]] (+ dl[j] W_r[e_j]) (+ dx_router[t]), fp32, entries
-// kEntryBatch at a time as in the aggregation (per entry: dX~ row, then the router term).
-// dx[t][c..c+8) = sum over entries j of t, in entry order: dXt[rev[j]][c..c+8) (+ dl[j] *
-// W_r[entry_expert[j]][c..c+8) with the top-K router), + dx_router[t][c..c+8) (fp32, token
-// rounding). A block owns one 64-column slab of dx (8 lanes, one 16-byte chunk each) and walks the
+// dx[t][c..c+8) = sum over entries j of t, in entry order, fp32: dXt[rev[j]][c..c+8) (+ dl[j] *
+// W_r[entry_expert[j]][c..c+8) with the top-K router), + dx_router[t][c..c+8) (token rounding);
+// entries kEntryBatch at a time as in the aggregation (per entry: dX~ row, then the router term).
+// A block owns one 64-column slab of dx (8 lanes, one 16-byte chunk each) and walks the
 // tokens 32 at a time, grid-stride along y. With dl, the slab of W_r ([E][64] bf16, E * 128 bytes)
 // is staged in shared memory once per block: each entry's router row then comes from shared memory.
 // Read from L2 per entry (one 16-byte load of W_r for every 16 bytes of dX~), dx_sum ran at 2.9
