@@ -10,6 +10,10 @@ caller that keeps its weights that way would); smoe_torch.MoE's own cost over th
 
 Usage (on the GPU, after `pip install --no-build-isolation .`):
   python3 bench/side_by_side.py --out bench/results/h200/side_by_side.json --plots bench/results/h200
+The results file is rewritten after every config, so a run cut short keeps the configs it finished.
+Runs of config subsets (each config's systems still in one process) are merged with
+  python3 bench/side_by_side.py --merge a.json b.json ... --out side_by_side.json [--plots DIR]
+which, like --replot, needs neither torch nor a GPU.
 """
 import argparse
 import gc
@@ -18,10 +22,13 @@ import os
 import subprocess
 import sys
 
-import torch
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import torch_baseline as tb  # noqa: E402
+DEFAULT_CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs.json")
+try:
+    import torch
+    import torch_baseline as tb
+except ImportError:  # --replot / --merge run without torch (the CPU machine)
+    torch = tb = None
 
 SONIC_REASON = None
 try:
@@ -212,13 +219,41 @@ def table_md(doc, path):
             if "error" in r]
     if errs:
         lines += ["", "n/a:"] + [f"- {n}, {k}: {msg}" for n, k, msg in errs]
+    if "processes" in doc:  # merged from runs of config subsets (--merge)
+        lines += ["", f"Merged: {doc['processes']}."]
     open(path, "w").write("\n".join(lines) + "\n")
+
+
+def merge(paths, configs_file):
+    """One results document from runs of config subsets: the same machine and software (gpu, driver,
+    cuda, torch, commit must agree), results in the configs file's order, a config at most once."""
+    docs = [json.load(open(p)) for p in paths]
+    out = {k: v for k, v in docs[0].items() if k != "results"}
+    for k in ("commit", "gpu", "driver", "cuda", "torch"):
+        vals = {str(d.get(k)) for d in docs}
+        if len(vals) > 1:
+            sys.exit(f"side_by_side.py --merge: the files differ in {k}: {sorted(vals)}")
+    order = [c["name"] for c in json.load(open(configs_file))]
+    results, seen = [], set()
+    for d in docs:
+        for r in d["results"]:
+            name = r["config"]["name"]
+            if name in seen:
+                sys.exit(f"side_by_side.py --merge: {name} is in more than one file")
+            seen.add(name)
+            results.append(r)
+    results.sort(key=lambda r: order.index(r["config"]["name"]) if r["config"]["name"] in order else len(order))
+    out["results"] = results
+    out["dates"] = sorted({d.get("date") for d in docs})
+    out["processes"] = (f"{len(docs)} bench/side_by_side.py processes, each config's systems in one process: "
+                        + "; ".join(" / ".join(r["config"]["name"] for r in d["results"]) for d in docs))
+    return out
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--configs", help="comma-separated config names (default: all)")
-    ap.add_argument("--configs-file", default=tb.DEFAULT_CONFIGS)
+    ap.add_argument("--configs-file", default=DEFAULT_CONFIGS)
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
@@ -229,7 +264,18 @@ def main():
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--systems", default="ours,torch,sonicmoe", help="which of ours,torch,sonicmoe to run")
     ap.add_argument("--replot", metavar="JSON", help="only redraw the plots of a results file (no GPU)")
+    ap.add_argument("--merge", metavar="JSON", nargs="+",
+                    help="merge results files of config subsets into --out (no GPU), in --configs-file order")
     args = ap.parse_args()
+    if args.merge:
+        if not args.out:
+            ap.error("--merge needs --out")
+        doc = merge(args.merge, args.configs_file)
+        json.dump(doc, open(args.out, "w"), indent=1)
+        table_md(doc, os.path.splitext(args.out)[0] + ".md")
+        if args.plots:
+            plots(doc, args.plots)
+        return
     if args.replot:
         doc = json.load(open(args.replot))
         plots(doc, args.plots or os.path.dirname(os.path.abspath(args.replot)))
@@ -237,6 +283,8 @@ def main():
         return
     if not args.out:
         ap.error("--out is required")
+    if torch is None:
+        sys.exit("side_by_side.py: torch is not importable (only --replot and --merge run without it)")
     if os.environ.get("SMOE_BENCH_STACKS"):  # debugging: dump every thread's stack every N seconds
         import faulthandler
         faulthandler.dump_traceback_later(int(os.environ["SMOE_BENCH_STACKS"]), repeat=True)

@@ -8,6 +8,11 @@
 #   SONIC_STAGE=run   (the next call, on the same machine while it is still warm: within ~30 s)
 #                     bench/side_by_side.py on SONIC_CONFIGS (default every config) -> $OUT.
 # Pass SMOE_COMMIT=<hash>. Each stage stops itself before the device tool's 600 s limit (SONIC_BUDGET).
+# 2026-12-01 (bench/results/h200/side_by_side_e46ff74_logs/): the warm stage's one config did not
+# finish its cold autotune in 570 s, yet the run stage that followed on the warm machine did the
+# ten public configs in four calls of 2-3 configs each (76-352 s; SONIC_CONFIGS, OUT=$OUT/<part>);
+# side_by_side.py rewrites its JSON after every config, and `side_by_side.py --merge` (no GPU) makes
+# one results file of the parts.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
