@@ -24,11 +24,13 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs.json")
+TORCH_REASON = None
 try:
     import torch
     import torch_baseline as tb
-except ImportError:  # --replot / --merge run without torch (the CPU machine)
+except ImportError as e:  # --replot / --merge run without torch (the CPU machine)
     torch = tb = None
+    TORCH_REASON = f"{type(e).__name__}: {e}"
 
 SONIC_REASON = None
 try:
@@ -284,7 +286,8 @@ def main():
     if not args.out:
         ap.error("--out is required")
     if torch is None:
-        sys.exit("side_by_side.py: torch is not importable (only --replot and --merge run without it)")
+        sys.exit(f"side_by_side.py: torch / torch_baseline do not import ({TORCH_REASON}); "
+                 "only --replot and --merge run without them")
     if os.environ.get("SMOE_BENCH_STACKS"):  # debugging: dump every thread's stack every N seconds
         import faulthandler
         faulthandler.dump_traceback_later(int(os.environ["SMOE_BENCH_STACKS"]), repeat=True)

@@ -144,8 +144,8 @@ int staged_store(int K) {
 }
 
 // "kind[_pp|_pps|_pps2][_c2|_n2]<BN>" of an instantiation, as CMakeLists.txt labels it; nullptr if not
-// built. A ping-pong store GEMM takes its staged twin (_pps) where one is built and staged_store
-// chooses it.
+// built. A ping-pong store GEMM takes its staged twin (_pps or _pps2) where one is built and
+// staged_store chooses it.
 const char* varlen_m_label(Epilogue epi, WeightMajor major, bool pp, int cluster, int bn, int K, int bm = 128) {
   const char* kind = epi == Epilogue::kSwiGLU    ? "up_swiglu"
                      : epi == Epilogue::kDSwiGLU ? "da_dswiglu"
