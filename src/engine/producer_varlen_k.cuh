@@ -10,13 +10,13 @@
 //     K-tile the box runs into the next expert's rows, which the consumers overwrite with zeros
 //     before the MMA (ZeroTail), so no other expert's values enter (not even 0 * Inf).
 //   * gathered operand: 16-byte cp.async by all 128 producer threads; rows past the expert's end
-//     and columns past the width are zero-filled. The row offsets (gather_idx[r] * ld) of up to
-//     kChunkRows rows (32 K-tiles) are staged in shared memory at once, all loads in flight
-//     together, and each stage's addresses are then a shared-memory read and an add: per K-tile the
-//     producer issues only its copies. (Loading 8 indices per thread per K-tile from global, one
-//     K-tile ahead, left the producer busy ~80% of the time under ncu at 07571c4: waiting on the
-//     index loads, 64-bit multiplies and a branch per row, while the consumers waited ~47% of
-//     theirs on the full barrier; the up-proj, whose rows are fixed per tile, has no such cost.)
+//     and columns past the width are zero-filled. The source addresses of up to kChunkRows rows
+//     (32 K-tiles) are staged in shared memory at once, all index loads in flight together, and per
+//     K-tile the producer reads its rows' addresses and issues its copies (GatherRowLoader below).
+//     (Loading 8 indices per thread per K-tile from global, one K-tile ahead, left the producer busy
+//     ~80% of the time under ncu at 07571c4: waiting on the index loads, 64-bit multiplies and a
+//     branch per row, while the consumers waited ~47% of theirs on the full barrier; the up-proj,
+//     whose rows are fixed per tile, has no such cost.)
 // One mbarrier per stage: the TMA thread's arrive_expect_tx + 128 cp.async noinc arrivals.
 #pragma once
 
@@ -28,86 +28,102 @@ namespace smoe {
 namespace engine {
 
 // The gathered operand: a tile of BX columns (m or n) by BK rows per stage. Thread t copies chunk
-// t % (BX/8) of rows t / (BX/8) + R i (R = 128 / (BX/8) rows per pass). Rows 8 apart are one
-// swizzle atom (BK-direction) apart, so a thread keeps only its first (8 / R) passes' addresses.
-template <int BX, int BK>
+// t % (BX/8) of rows t / (BX/8) + R i (R = 128 / (BX/8) rows per pass; BX = 128: R = 8, 8 passes).
+//
+// The source addresses of up to kChunkRows rows (32 K-tiles) are staged in shared memory at once
+// (all index loads in flight together), as absolute byte addresses base + gather_idx[r] * ld, and in
+// the order the threads read them: a thread's kPasses rows of one K-tile are adjacent, so per K-tile
+// it reads them with kPasses / 2 16-byte loads into distinct registers, adds its column offset and
+// issues its copies back to back. (At 2dc5ce4 the addresses were formed one K-tile ahead from
+// staged element offsets, ~100 instructions per K-tile, and ptxas copied each 64-bit address into
+// one register pair before its cp.async, so every copy waited until the previous one had read its
+// operands: under ncu (30B n512 dW1, bench/results/h200/varlen_k_issue/) the producer spent 27% of
+// its samples forming addresses and 23% in that serialised issue, the consumers ~1/3 of theirs
+// waiting for data.)
+template <int BX, int BK, class SmemLayout>
 struct GatherRowLoader {
   static constexpr int kChunksPerRow = BX / 8;
   static constexpr int kRowsPerPass = kProducerThreads / kChunksPerRow;
   static constexpr int kPasses = BK / kRowsPerPass;
-  static constexpr int kPhases = kRowsPerPass < 8 ? 8 / kRowsPerPass : 1;
-  static constexpr int kAtomsPerStep = kRowsPerPass < 8 ? 1 : kRowsPerPass / 8;
   static_assert(kChunksPerRow <= kProducerThreads && BK % kRowsPerPass == 0, "tile too wide");
-  static_assert(8 % kRowsPerPass == 0 || kRowsPerPass % 8 == 0, "rows per pass vs swizzle period");
-  // Row offsets staged per refill: 32 K-tiles (16 KB of shared memory). An expert with more rows
+  // One pass = 8 rows = one swizzle atom along BK: pass i's rows lie i * kAtomBytes after pass 0's.
+  // The 128-byte swizzle XORs address bits [4, 7) with [7, 10); a step of whole KBs leaves those
+  // bits alone, so the step is the same for every chunk and row (the unswizzled layout's).
+  static_assert(kRowsPerPass == 8 && kPasses == 8, "varlen-K gather: BX = 128 (16 chunks, 8 rows per pass)");
+  static constexpr uint32_t kAtomBytes = static_cast<uint32_t>(
+      sizeof(Bf16) * (SmemLayout{}.layout_b()(0, kRowsPerPass, 0) - SmemLayout{}.layout_b()(0, 0, 0)));
+  static_assert(kAtomBytes % 1024 == 0, "pass step: whole swizzle periods");
+  // Row addresses staged per refill: 32 K-tiles (16 KB of shared memory). An expert with more rows
   // refills every kChunkTiles K-tiles.
   static constexpr int kChunkRows = 2048;
   static constexpr int kChunkTiles = kChunkRows / BK;
   static constexpr int kStageLoads = kChunkRows / kProducerThreads;
-  static_assert(kChunkRows % BK == 0 && kChunkRows % kProducerThreads == 0, "chunk: whole K-tiles");
+  static_assert(kChunkRows % BK == 0 && kChunkRows % kProducerThreads == 0 && kProducerThreads % BK == 0,
+                "chunk: whole K-tiles");
   static constexpr uint32_t kProducerBar = 4;  // named barrier of the 128 producer threads
 
   int tid;
-  int chunk;
-  int row_in_tile0;
-  uint32_t saddr0[kPhases];
-  uint32_t atom_bytes;
-  const Bf16* src[kPasses];
-  uint32_t valid;  // bit i: pass i's row lies inside the expert and its column inside the width
+  uint32_t saddr0;     // this thread's first row and chunk in stage 0
+  uint32_t col_bytes;  // this thread's column offset in bytes (0 when its columns lie past the width)
+  bool col_ok;
 
   template <class STensor>
   __device__ void init(const STensor& s, int t) {
     tid = t;
-    chunk = t % kChunksPerRow;
-    row_in_tile0 = t / kChunksPerRow;
-#pragma unroll
-    for (int i = 0; i < kPhases; ++i)
-      saddr0[i] = smem_u32(&s(chunk * 8, row_in_tile0 + i * kRowsPerPass, 0));
-    atom_bytes = smem_u32(&s(chunk * 8, row_in_tile0 + 8, 0)) - smem_u32(&s(chunk * 8, row_in_tile0, 0));
+    saddr0 = smem_u32(&s((t % kChunksPerRow) * 8, t / kChunksPerRow, 0));
   }
 
-  // off[j] = gather[row0 + r0 + j] * ld for the chunk's rows j < min(kChunkRows, rows - r0), by all
-  // 128 producer threads, every index load in flight before the first store. The barrier before:
-  // no thread still reads the previous chunk; after: every offset is written.
-  __device__ void stage_offsets(int64_t* off, const int32_t* __restrict__ gather, int64_t ld, int row0, int rows,
-                                int r0) const {
+  // The tile's columns col0 + chunk * 8 .. + 8 of width cols.
+  __device__ void set_cols(int col0, int cols) {
+    const int c = col0 + (tid % kChunksPerRow) * 8;
+    col_ok = c < cols;
+    col_bytes = col_ok ? static_cast<uint32_t>(c) * static_cast<uint32_t>(sizeof(Bf16)) : 0u;
+  }
+
+  // Where row r of a chunk (K-tile r / BK, row r % BK = pass i * 8 + thread row) is staged: the
+  // K-tile's BK slots, the thread row's kPasses adjacent.
+  __device__ static int slot(int r) {
+    const int rt = r % BK;
+    return (r / BK) * BK + (rt % kRowsPerPass) * kPasses + rt / kRowsPerPass;
+  }
+
+  // addr[slot(j)] = base + gather[row0 + r0 + j] * ld (bytes) for the chunk's rows j < min(kChunkRows,
+  // rows - r0), base for the rest (a valid address; those rows are zero-filled, not read), by all 128
+  // producer threads, every index load in flight before the first store. The barrier before: no
+  // thread still reads the previous chunk; after: every address is written.
+  __device__ void stage_rows(int64_t* addr, const Bf16* base, const int32_t* __restrict__ gather, int64_t ld,
+                             int row0, int rows, int r0) const {
     cutlass::arch::NamedBarrier::sync(kProducerThreads, kProducerBar);
     const int n = rows - r0 < kChunkRows ? rows - r0 : kChunkRows;
+    const int32_t* g = gather + row0 + r0;
     int32_t v[kStageLoads];
 #pragma unroll
     for (int j = 0; j < kStageLoads; ++j) {
       const int r = tid + j * kProducerThreads;
-      v[j] = r < n ? __ldg(gather + row0 + r0 + r) : 0;
+      v[j] = r < n ? __ldg(g + r) : 0;
     }
+    int64_t* a = addr + slot(tid);  // slot(tid + j * 128) = slot(tid) + j * 128: 128 rows = whole K-tiles
 #pragma unroll
-    for (int j = 0; j < kStageLoads; ++j) off[tid + j * kProducerThreads] = static_cast<int64_t>(v[j]) * ld;
+    for (int j = 0; j < kStageLoads; ++j)
+      a[j * kProducerThreads] = reinterpret_cast<int64_t>(base + static_cast<int64_t>(v[j]) * ld);
     cutlass::arch::NamedBarrier::sync(kProducerThreads, kProducerBar);
   }
 
-  // Addresses of K-tile k (its offsets staged: k's chunk is the current one), columns col0 + chunk.
-  // Branch-free: a row past the end or a column past the width reads offset 0 of base (a valid
-  // address, not read: the copy zero-fills).
-  __device__ void make_src(const int64_t* off, const Bf16* base, int rows, int k, int col0, int cols) {
-    const int c = col0 + chunk * 8;
-    const bool col_ok = c < cols;
-    const int j0 = (k % kChunkTiles) * BK + row_in_tile0;
-    valid = 0;
+  // K-tile k's copies (its addresses staged: k's chunk is the current one) into the stage at
+  // stage_off. A row past the expert's end or a column past the width is zero-filled.
+  __device__ void issue(const int64_t* addr, int k, int rows, uint32_t stage_off) const {
+    const int row_in_tile0 = tid / kChunksPerRow;
+    // pass i's row is inside iff i * 8 < lim; no column: no row
+    const int lim = col_ok ? rows - k * BK - row_in_tile0 : 0;
+    const int64_t* a = addr + (k % kChunkTiles) * BK + row_in_tile0 * kPasses;
+    int64_t src[kPasses];
 #pragma unroll
-    for (int i = 0; i < kPasses; ++i) {
-      const int r = k * BK + row_in_tile0 + i * kRowsPerPass;
-      const bool ok = r < rows && col_ok;
-      const int64_t o = off[j0 + i * kRowsPerPass];
-      src[i] = base + (ok ? o + c : 0);
-      valid |= static_cast<uint32_t>(ok) << i;
+    for (int i = 0; i < kPasses; i += 2) {
+      const longlong2 q = *reinterpret_cast<const longlong2*>(a + i);
+      src[i] = q.x + col_bytes;
+      src[i + 1] = q.y + col_bytes;
     }
-  }
-
-  __device__ void issue(uint32_t stage_off) const {
-#pragma unroll
-    for (int i = 0; i < kPasses; ++i) {
-      const uint32_t sa = saddr0[i % kPhases] + (i / kPhases) * kAtomsPerStep * atom_bytes + stage_off;
-      cp_async_16_zfill(sa, src[i], (valid >> i) & 1u);
-    }
+    cp_async_16_zfill_rows8<kAtomBytes, kRowsPerPass>(saddr0 + stage_off, src, lim);
   }
 };
 
@@ -124,7 +140,7 @@ struct ProducerVarlenK {
   static constexpr int BM = Cfg::BM, BN = Cfg::BN, BK = Cfg::BK, kStages = Cfg::kStages;
   static constexpr int kCluster = Cfg::kClusterM;
   static constexpr uint32_t kFullArrivals = kGatherP ? 1 + kProducerThreads : 1;
-  using Loader = GatherRowLoader<BM, BK>;
+  using Loader = GatherRowLoader<BM, BK, typename Cfg::SmemLayoutA>;
   static constexpr int kGatherRows = kGatherP ? Loader::kChunkRows : 0;  // SharedStorage
   static_assert(Cfg::kMajorA == GMMA::Major::MN && Cfg::kMajorB == GMMA::Major::MN, "varlen-K: MN-major");
 
@@ -151,9 +167,9 @@ struct ProducerVarlenK {
       const int k_tiles = (w.rows + BK - 1) / BK;
       const int m0 = w.m_tile * BM, n0 = w.n_tile * BN;
       if constexpr (kGatherP) {
-        if (k_tiles > 0) {  // the first chunk's offsets (k_tiles is the same in all 128 threads)
-          lg.stage_offsets(off, p.gather_p, p.ld_p, w.row0, w.rows, 0);
-          lg.make_src(off, p.P, w.rows, 0, m0, p.M);
+        if (k_tiles > 0) {  // the first chunk's addresses (k_tiles is the same in all 128 threads)
+          lg.stage_rows(off, p.P, p.gather_p, p.ld_p, w.row0, w.rows, 0);
+          lg.set_cols(m0, p.M);
         }
       }
       for (int k = 0; k < k_tiles; ++k) {
@@ -182,13 +198,11 @@ struct ProducerVarlenK {
           }
         }
         if constexpr (kGatherP) {
-          lg.issue(ps.stage * Cfg::kBytesA);
+          lg.issue(off, k, w.rows, ps.stage * Cfg::kBytesA);
           cp_async_arrive_noinc(&s.full[ps.stage]);
-          if (k + 1 < k_tiles) {  // the next K-tile's addresses, past a chunk: its offsets first
-            if ((k + 1) % Loader::kChunkTiles == 0)
-              lg.stage_offsets(off, p.gather_p, p.ld_p, w.row0, w.rows, (k + 1) * BK);
-            lg.make_src(off, p.P, w.rows, k + 1, m0, p.M);
-          }
+          // past a chunk: the next one's addresses (every thread has read this one's: the barrier)
+          if (k + 1 < k_tiles && (k + 1) % Loader::kChunkTiles == 0)
+            lg.stage_rows(off, p.P, p.gather_p, p.ld_p, w.row0, w.rows, (k + 1) * BK);
         }
         ps.template advance<kStages>();
       }

@@ -21,6 +21,55 @@ __device__ __forceinline__ void cp_async_16_zfill(uint32_t smem_addr, const void
                : "memory");
 }
 
+// Eight 16-byte copies, row i from src[i] to dst + i * kDstStep, zero-filled where i * kRowStep >=
+// lim (the row lies past the end), in one asm statement: the eight sources are distinct operands,
+// so ptxas keeps them in eight register pairs. Issued one by one (cp_async_16_zfill in a loop), it
+// formed every address in the same pair, and each copy's address waited until the previous copy had
+// read its operands (bench/results/h200/varlen_k_issue/).
+template <uint32_t kDstStep, int kRowStep>
+__device__ __forceinline__ void cp_async_16_zfill_rows8(uint32_t dst, const int64_t (&src)[8], int lim) {
+  asm volatile(
+      "{\n .reg .pred p;\n"
+      " setp.le.s32 p, %1, 0;\n cp.async.cg.shared.global [%0], [%2], 16, p;\n"
+      " setp.le.s32 p, %1, %17;\n cp.async.cg.shared.global [%0+%10], [%3], 16, p;\n"
+      " setp.le.s32 p, %1, %18;\n cp.async.cg.shared.global [%0+%11], [%4], 16, p;\n"
+      " setp.le.s32 p, %1, %19;\n cp.async.cg.shared.global [%0+%12], [%5], 16, p;\n"
+      " setp.le.s32 p, %1, %20;\n cp.async.cg.shared.global [%0+%13], [%6], 16, p;\n"
+      " setp.le.s32 p, %1, %21;\n cp.async.cg.shared.global [%0+%14], [%7], 16, p;\n"
+      " setp.le.s32 p, %1, %22;\n cp.async.cg.shared.global [%0+%15], [%8], 16, p;\n"
+      " setp.le.s32 p, %1, %23;\n cp.async.cg.shared.global [%0+%16], [%9], 16, p;\n"
+      "}\n" ::"r"(dst),
+      "r"(lim), "l"(src[0]), "l"(src[1]), "l"(src[2]), "l"(src[3]), "l"(src[4]), "l"(src[5]), "l"(src[6]),
+      "l"(src[7]), "n"(kDstStep), "n"(2 * kDstStep), "n"(3 * kDstStep), "n"(4 * kDstStep), "n"(5 * kDstStep),
+      "n"(6 * kDstStep), "n"(7 * kDstStep), "n"(kRowStep), "n"(2 * kRowStep), "n"(3 * kRowStep),
+      "n"(4 * kRowStep), "n"(5 * kRowStep), "n"(6 * kRowStep), "n"(7 * kRowStep)
+      : "memory");
+}
+
+template <uint32_t kDstStep, int kRowStep>
+__device__ __forceinline__ void cp_async_16_zfill_rows4(uint32_t dst, const int64_t (&src)[4], int lim) {
+  asm volatile(
+      "{\n .reg .pred p;\n"
+      " setp.le.s32 p, %1, 0;\n cp.async.cg.shared.global [%0], [%2], 16, p;\n"
+      " setp.le.s32 p, %1, %9;\n cp.async.cg.shared.global [%0+%6], [%3], 16, p;\n"
+      " setp.le.s32 p, %1, %10;\n cp.async.cg.shared.global [%0+%7], [%4], 16, p;\n"
+      " setp.le.s32 p, %1, %11;\n cp.async.cg.shared.global [%0+%8], [%5], 16, p;\n"
+      "}\n" ::"r"(dst),
+      "r"(lim), "l"(src[0]), "l"(src[1]), "l"(src[2]), "l"(src[3]), "n"(kDstStep), "n"(2 * kDstStep),
+      "n"(3 * kDstStep), "n"(kRowStep), "n"(2 * kRowStep), "n"(3 * kRowStep)
+      : "memory");
+}
+
+// N = 8 or 4 rows (one asm statement each).
+template <int N, uint32_t kDstStep, int kRowStep>
+__device__ __forceinline__ void cp_async_16_zfill_rows(uint32_t dst, const int64_t (&src)[N], int lim) {
+  static_assert(N == 8 || N == 4, "8 or 4 rows per call");
+  if constexpr (N == 8)
+    cp_async_16_zfill_rows8<kDstStep, kRowStep>(dst, src, lim);
+  else
+    cp_async_16_zfill_rows4<kDstStep, kRowStep>(dst, src, lim);
+}
+
 // The mbarrier counts one arrival of this thread once all its earlier cp.async have landed
 // (.noinc: the arrival is one of the barrier's expected arrivals).
 __device__ __forceinline__ void cp_async_arrive_noinc(uint64_t* bar) {

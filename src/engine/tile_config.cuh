@@ -91,8 +91,8 @@ constexpr int stages_for(int BN, int epi_bytes = 0, int BM = 128) {
   return n > 8 ? 8 : n;
 }
 
-// The gathered varlen-K operand's row offsets (gather_idx[r] * ld), staged kRows at a time by the
-// producer warpgroup (producer_varlen_k.cuh); none for the other kernels.
+// The gathered varlen-K operand's row addresses (base + gather_idx[r] * ld), staged kRows at a time
+// by the producer warpgroup (producer_varlen_k.cuh, GatherRowLoader); none for the other kernels.
 template <int kRows>
 struct GatherOffsets {
   int64_t off[kRows];
