@@ -28,13 +28,7 @@ template <class Cfg, ALoad kALoad>
 struct ProducerVarlenM {
   static constexpr int BM = Cfg::BM, BN = Cfg::BN, BK = Cfg::BK, kStages = Cfg::kStages;
   static constexpr bool kGather = kALoad == ALoad::kGather;
-  static constexpr int kRowsPerThread = BM * (BK / 8) / kProducerThreads;  // 8 (BM 128) or 4 (BM 64)
-  static_assert(BK == 64, "gather: 8 chunks per row, rows 16 apart per thread");
-  // Rows 16 apart in shared memory (the unswizzled layout's step; a static_assert below keeps it
-  // whole KBs).
-  static constexpr uint32_t kRowStepBytes = static_cast<uint32_t>(
-      sizeof(Bf16) * (typename Cfg::SmemLayoutA{}.layout_b()(16, 0, 0) - typename Cfg::SmemLayoutA{}.layout_b()(0, 0, 0)));
-  static_assert(!kGather || kRowStepBytes % 1024 == 0, "gather rows 16 apart: whole swizzle periods");
+  static constexpr int kRowsPerThread = BM * (BK / 8) / kProducerThreads;  // 8
   static constexpr uint32_t kTxBytes = Cfg::kBytesB + (kGather ? 0 : Cfg::kBytesA);
   static constexpr uint32_t kFullArrivals = 1 + (kGather ? kProducerThreads : 0);
   static constexpr int kGatherRows = 0;  // no staged row offsets (SharedStorage)
@@ -127,29 +121,29 @@ struct ProducerVarlenM {
     Tensor mA = p.tma_a.get_tma_tensor(make_shape(p.a_rows, p.K));
     Tensor mB = p.tma_b.get_tma_tensor(make_shape(p.b_rows, p.b_cols));
 
-    // Gather: this thread's chunk column and shared-memory address (stage 0) of its first row; its
-    // rows tid / 8 + 16 i lie i * kRowStepBytes apart (16 rows = two 8-row swizzle atoms: whole KBs,
-    // so the 128-byte swizzle, which XORs address bits [4, 7) with [7, 10), is the same for all).
+    // Gather: this thread's chunk column and shared-memory addresses (stage 0) for its rows.
     const int chunk = tid % 8;
-    const int row_t = tid / 8;
-    uint32_t sa_addr = 0;
-    if constexpr (kGather) sa_addr = smem_u32(&sA(row_t, chunk * 8, 0));
+    uint32_t sa_addr[kRowsPerThread];
+    if constexpr (kGather) {
+#pragma unroll
+      for (int i = 0; i < kRowsPerThread; ++i)
+        sa_addr[i] = smem_u32(&sA(tid / 8 + 16 * i, chunk * 8, 0));
+    }
 
     const int k_tiles = p.K / BK;
     PipeState ps;
     const int total = sched.total_tiles();
     for (int t = sched.first(); t < total; t += sched.stride()) {
       const WorkTile w = sched.get(t);
-      // The rows' source addresses (bytes) at K-tile 0; the copies of K-tile k read k * BK further.
-      // Rows past the expert's end (16 i >= lim) read row 0's address and are zero-filled.
-      int64_t src[kRowsPerThread];
-      const int lim = w.rows - row_t;
+      const Bf16* src[kRowsPerThread];
+      bool valid[kRowsPerThread];
       if constexpr (kGather) {
 #pragma unroll
         for (int i = 0; i < kRowsPerThread; ++i) {
-          const int r = row_t + 16 * i;
-          const int64_t row = r < w.rows ? p.gather_idx[w.row0 + r] : 0;
-          src[i] = reinterpret_cast<int64_t>(p.a_gather + row * p.K + chunk * 8);
+          const int r = tid / 8 + 16 * i;
+          valid[i] = r < w.rows;
+          const int64_t row = valid[i] ? p.gather_idx[w.row0 + r] : 0;
+          src[i] = p.a_gather + row * p.K + chunk * 8;
         }
       }
 
@@ -161,13 +155,10 @@ struct ProducerVarlenM {
           if constexpr (!kGather) load_a_tma(p, sA, mA, w, k, ps.stage, s.full[ps.stage], sched.rank);
         }
         if constexpr (kGather) {
-          // One asm statement for the thread's copies: distinct address registers, issued back to
-          // back (issued one by one, each address was formed in the same register pair and waited
-          // for the previous copy to read it; sm90_primitives.cuh).
-          int64_t sk[kRowsPerThread];
+          const uint32_t stage_off = ps.stage * Cfg::kBytesA;
 #pragma unroll
-          for (int i = 0; i < kRowsPerThread; ++i) sk[i] = src[i] + static_cast<int64_t>(k) * (BK * sizeof(Bf16));
-          cp_async_16_zfill_rows<kRowsPerThread, kRowStepBytes, 16>(sa_addr + ps.stage * Cfg::kBytesA, sk, lim);
+          for (int i = 0; i < kRowsPerThread; ++i)
+            cp_async_16_zfill(sa_addr[i] + stage_off, src[i] + k * BK, valid[i]);
           cp_async_arrive_noinc(&s.full[ps.stage]);
         }
         ps.template advance<kStages>();

@@ -46,30 +46,6 @@ __device__ __forceinline__ void cp_async_16_zfill_rows8(uint32_t dst, const int6
       : "memory");
 }
 
-template <uint32_t kDstStep, int kRowStep>
-__device__ __forceinline__ void cp_async_16_zfill_rows4(uint32_t dst, const int64_t (&src)[4], int lim) {
-  asm volatile(
-      "{\n .reg .pred p;\n"
-      " setp.le.s32 p, %1, 0;\n cp.async.cg.shared.global [%0], [%2], 16, p;\n"
-      " setp.le.s32 p, %1, %9;\n cp.async.cg.shared.global [%0+%6], [%3], 16, p;\n"
-      " setp.le.s32 p, %1, %10;\n cp.async.cg.shared.global [%0+%7], [%4], 16, p;\n"
-      " setp.le.s32 p, %1, %11;\n cp.async.cg.shared.global [%0+%8], [%5], 16, p;\n"
-      "}\n" ::"r"(dst),
-      "r"(lim), "l"(src[0]), "l"(src[1]), "l"(src[2]), "l"(src[3]), "n"(kDstStep), "n"(2 * kDstStep),
-      "n"(3 * kDstStep), "n"(kRowStep), "n"(2 * kRowStep), "n"(3 * kRowStep)
-      : "memory");
-}
-
-// N = 8 or 4 rows (one asm statement each).
-template <int N, uint32_t kDstStep, int kRowStep>
-__device__ __forceinline__ void cp_async_16_zfill_rows(uint32_t dst, const int64_t (&src)[N], int lim) {
-  static_assert(N == 8 || N == 4, "8 or 4 rows per call");
-  if constexpr (N == 8)
-    cp_async_16_zfill_rows8<kDstStep, kRowStep>(dst, src, lim);
-  else
-    cp_async_16_zfill_rows4<kDstStep, kRowStep>(dst, src, lim);
-}
-
 // The mbarrier counts one arrival of this thread once all its earlier cp.async have landed
 // (.noinc: the arrival is one of the barrier's expected arrivals).
 __device__ __forceinline__ void cp_async_arrive_noinc(uint64_t* bar) {
