@@ -253,7 +253,7 @@ TEST(EngineApi, WeightGradientPath) {
   using smoe::layer::DwPath;
   smoe::MoEShape small{40960, 768, 256, 128, 8}, wide{16384, 4096, 4096, 8, 2};
   // dW2: the fused gather up to 8 N-tiles (n / 256, or n / 128 when n % 256 != 0); dW1: at
-  // n <= 512 with >= 1024 rows per expert on average (dw_path.h).
+  // n <= 512 with >= 1024 rows per expert on average, or n <= 1536 with >= 3072 (dw_path.h).
   using smoe::layer::dw1_path;
   using smoe::layer::dw2_path;
   EXPECT_EQ(dw2_path(small), DwPath::kEngine);
@@ -270,7 +270,13 @@ TEST(EngineApi, WeightGradientPath) {
   EXPECT_EQ(dw1_path(smoe::MoEShape{32768, 2048, 256, 384, 12}), DwPath::kEngine);     // 1024 rows
   EXPECT_EQ(dw1_path(smoe::MoEShape{32768, 2048, 512, 512, 10}), DwPath::kEngineTma);  // 640 rows
   EXPECT_EQ(dw1_path(smoe::MoEShape{16384, 1024, 128, 512, 8}), DwPath::kEngineTma);   // 256 rows
-  EXPECT_EQ(dw1_path(smoe::MoEShape{20000, 3072, 768, 96, 6}), DwPath::kEngineTma);    // n 768
+  EXPECT_EQ(dw1_path(smoe::MoEShape{20000, 3072, 768, 96, 6}), DwPath::kEngineTma);    // n 768, 1250 rows
+  EXPECT_EQ(dw1_path(smoe::MoEShape{36864, 3072, 768, 96, 8}), DwPath::kEngine);       // n 768, 3072 rows
+  EXPECT_EQ(dw1_path(smoe::MoEShape{32768, 2048, 1024, 64, 8}), DwPath::kEngine);      // OLMoE: 4096 rows
+  EXPECT_EQ(dw1_path(smoe::MoEShape{32768, 4096, 1024, 128, 8}), DwPath::kEngineTma);  // 120B: 2048 rows
+  EXPECT_EQ(dw1_path(smoe::MoEShape{36864, 2560, 1536, 48, 8}), DwPath::kEngine);      // n 1536, 6144 rows
+  EXPECT_EQ(dw1_path(smoe::MoEShape{32768, 4096, 1536, 128, 8}), DwPath::kEngineTma);  // Qwen3-235B: 2048
+  EXPECT_EQ(dw1_path(smoe::MoEShape{32768, 4096, 2048, 64, 8}), DwPath::kEngineTma);   // n 2048: too wide
   setenv("SMOE_DW_PATH", "engine", 1);
   EXPECT_EQ(smoe::layer::dw1_path(wide), DwPath::kEngine);
   setenv("SMOE_DW_PATH", "cutlass", 1);
