@@ -18,15 +18,20 @@
 //   (1024 rows per expert) 1.922 / 2.169, narrow E512 (256 rows) 0.302 / 0.304; 7B n512 (1536 rows)
 //   0.542 / 0.603, but Qwen3-Next n512 (640 rows) 4.230 / 3.408; T20000 n768 2.524 / 2.292; OLMoE
 //   n1024 3.919 / 3.807; Qwen3-235B n1536 13.68 / 11.76; DeepSeek n2048 37.5 / 30.8.
-// So dW2 takes the fused gather up to 8 N-tiles, dW1 at n <= 512 with >= 1024 rows per expert on
+// So dW2 took the fused gather up to 8 N-tiles, dW1 at n <= 512 with >= 1024 rows per expert on
 // average (short reductions leave the gathered loads' start-up latency unhidden in every tile).
 // Since the copies of a K-tile are issued back to back from staged absolute addresses (15796e9,
-// bench/results/h200/varlen_k_issue/; fused dW2 2-9% and dW1 2-4% faster on the public configs), the
-// fused dW1 also wins at 512 < n <= 1536 with >= 3072 rows per expert (ms engine_tma / fused, two
-// runs each): 4096 rows: n1024 d2048 1.92-1.98 / 1.86-1.87, n768 d3072 1.16-1.17 / 1.06, n1024
-// d4096 7.74 / 7.52-7.59, OLMoE n1024 3.86 / 3.70; 6144 rows n1536 7.60-7.65 / 7.46; 3072 rows n768
-// d3072 5.18-5.33 / 4.95-5.01; but 2048 rows it loses: n1024 d2048 2.02-2.07 / 2.16, n768 d2048
-// 3.18-3.20 / 3.26-3.28, 120B n1024 8.18 / 8.67, Qwen3-235B n1536 11.84 / 13.12.
+// bench/results/h200/varlen_k_issue/; fused dW2 2-9% and dW1 2-4% faster on the public configs):
+//   dW2 fused wins past 8 N-tiles too (ms engine_tma / fused at 9766ecd, two runs each): T12345
+//   n1408 (11) 1.51-1.54 / 1.40, wide E8 n4096 (16) 1.85-1.89 / 1.77-1.78, wide E4 n8192 (32)
+//   0.47-0.48 / 0.45-0.47: dW2 always takes it.
+//   dW1 fused also wins at 512 < n <= 1536 with >= 3072 rows per expert (ms engine_tma / fused at
+//   15796e9, two runs each): 4096 rows: n1024 d2048 1.92-1.98 / 1.86-1.87, n768 d3072 1.16-1.17 /
+//   1.06, n1024 d4096 7.74 / 7.52-7.59, OLMoE n1024 3.86 / 3.70 (a tie in another call); 6144 rows
+//   n1536 7.60-7.65 / 7.46; 3072 rows n768 d3072 5.18-5.33 / 4.95-5.01; but with 2048 rows it
+//   loses: n1024 d2048 2.02-2.07 / 2.16, n768 d2048 3.18-3.20 / 3.26-3.28, 120B n1024 8.18 / 8.67,
+//   Qwen3-235B n1536 11.84 / 13.12, K1 E16 n1024 0.48-0.52 / 0.53; and at n 4096-8192 (wide E8 /
+//   E4: 3.48-3.56 / 3.80-3.83, 0.90-0.92 / 1.05-1.09).
 #pragma once
 
 #include <cstdint>
@@ -50,20 +55,15 @@ inline DwPath forced_dw_path(bool* forced) {
   return DwPath::kCutlass;
 }
 
-// N-tiles of dW2's varlen-K (N = n): BN = 256 when n % 256 == 0, else 128 (engine.cu,
-// choose_varlen_k, at shapes with enough tiles for two waves, which the layer's dW2 has).
-inline int dw2_n_tiles(int n) { return n % 256 == 0 ? n / 256 : (n + 127) / 128; }
-constexpr int kDw2FusedMaxNTiles = 8;        // DeepSeek n2048 (8) wins, T12345 n1408 (11) loses
 constexpr int kDw1FusedMaxN = 512;           // 7B n512 wins, T20000 n768 loses
 constexpr int64_t kDw1FusedMinRows = 1024;   // narrow E384 (1024 rows) wins, Qwen3-Next (640) loses
 constexpr int kDw1FusedWideMaxN = 1536;      // n1536 (6144 rows) wins; n4096 lost (2x the x re-reads)
 constexpr int64_t kDw1FusedWideMinRows = 3072;  // 3072 rows win at n768, 2048 lose at n768-1536
 
-inline DwPath dw2_path(const MoEShape& s) {
+inline DwPath dw2_path(const MoEShape&) {
   bool forced = false;
   const DwPath f = forced_dw_path(&forced);
-  if (forced) return f;
-  return dw2_n_tiles(s.n) <= kDw2FusedMaxNTiles ? DwPath::kEngine : DwPath::kEngineTma;
+  return forced ? f : DwPath::kEngine;
 }
 
 inline DwPath dw1_path(const MoEShape& s) {

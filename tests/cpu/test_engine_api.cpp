@@ -252,16 +252,15 @@ TEST(EngineApi, WeightGradientPath) {
   unsetenv("SMOE_DW_PATH");
   using smoe::layer::DwPath;
   smoe::MoEShape small{40960, 768, 256, 128, 8}, wide{16384, 4096, 4096, 8, 2};
-  // dW2: the fused gather up to 8 N-tiles (n / 256, or n / 128 when n % 256 != 0); dW1: at
-  // n <= 512 with >= 1024 rows per expert on average, or n <= 1536 with >= 3072 (dw_path.h).
+  // dW2: always the fused gather (since 15796e9); dW1: at n <= 512 with >= 1024 rows per expert on average, or n <= 1536 with >= 3072 (dw_path.h).
   using smoe::layer::dw1_path;
   using smoe::layer::dw2_path;
   EXPECT_EQ(dw2_path(small), DwPath::kEngine);
   EXPECT_EQ(dw1_path(small), DwPath::kEngine);
-  EXPECT_EQ(dw2_path(wide), DwPath::kEngineTma);                                    // 16 N-tiles
+  EXPECT_EQ(dw2_path(wide), DwPath::kEngine);                                       // 16 N-tiles
   EXPECT_EQ(dw1_path(wide), DwPath::kEngineTma);
   EXPECT_EQ(dw2_path(smoe::MoEShape{32768, 7168, 2048, 256, 8}), DwPath::kEngine);     // 8 N-tiles
-  EXPECT_EQ(dw2_path(smoe::MoEShape{12345, 2560, 1408, 64, 8}), DwPath::kEngineTma);   // BN 128: 11
+  EXPECT_EQ(dw2_path(smoe::MoEShape{12345, 2560, 1408, 64, 8}), DwPath::kEngine);      // BN 128: 11
   EXPECT_EQ(dw2_path(smoe::MoEShape{32768, 2048, 1024, 64, 8}), DwPath::kEngine);
   EXPECT_EQ(dw2_path(smoe::MoEShape{9999, 1536, 640, 40, 4}), DwPath::kEngine);        // BN 128: 5
   EXPECT_EQ(dw1_path(smoe::MoEShape{32768, 4096, 256, 256, 16}), DwPath::kEngine);
