@@ -152,10 +152,10 @@ struct ProducerVarlenK {
     Tensor mQ = p.tma_q.get_tma_tensor(make_shape(p.N, p.q_rows));
     Tensor mP = p.tma_p.get_tma_tensor(make_shape(p.M, p.q_rows));  // !kGatherP: the same rows as Q
     Loader lg;
-    int64_t* off = nullptr;
+    int64_t* addr = nullptr;
     if constexpr (kGatherP) {
       lg.init(sA, tid);
-      off = s.gather.off;
+      addr = s.gather.addr;
     } else if (tid != 0) {
       return;  // one thread issues both boxes
     }
@@ -168,7 +168,7 @@ struct ProducerVarlenK {
       const int m0 = w.m_tile * BM, n0 = w.n_tile * BN;
       if constexpr (kGatherP) {
         if (k_tiles > 0) {  // the first chunk's addresses (k_tiles is the same in all 128 threads)
-          lg.stage_rows(off, p.P, p.gather_p, p.ld_p, w.row0, w.rows, 0);
+          lg.stage_rows(addr, p.P, p.gather_p, p.ld_p, w.row0, w.rows, 0);
           lg.set_cols(m0, p.M);
         }
       }
@@ -198,11 +198,11 @@ struct ProducerVarlenK {
           }
         }
         if constexpr (kGatherP) {
-          lg.issue(off, k, w.rows, ps.stage * Cfg::kBytesA);
+          lg.issue(addr, k, w.rows, ps.stage * Cfg::kBytesA);
           cp_async_arrive_noinc(&s.full[ps.stage]);
           // past a chunk: the next one's addresses (every thread has read this one's: the barrier)
           if (k + 1 < k_tiles && (k + 1) % Loader::kChunkTiles == 0)
-            lg.stage_rows(off, p.P, p.gather_p, p.ld_p, w.row0, w.rows, (k + 1) * BK);
+            lg.stage_rows(addr, p.P, p.gather_p, p.ld_p, w.row0, w.rows, (k + 1) * BK);
         }
         ps.template advance<kStages>();
       }

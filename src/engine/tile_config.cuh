@@ -94,11 +94,11 @@ constexpr int stages_for(int BN, int epi_bytes = 0, int BM = 128) {
 // The gathered varlen-K operand's row addresses (base + gather_idx[r] * ld), staged kRows at a time
 // by the producer warpgroup (producer_varlen_k.cuh, GatherRowLoader); none for the other kernels.
 template <int kRows>
-struct GatherOffsets {
-  int64_t off[kRows];
+struct GatherRowAddrs {
+  int64_t addr[kRows];
 };
 template <>
-struct GatherOffsets<0> {};
+struct GatherRowAddrs<0> {};
 
 // An epilogue's staging buffer (epilogue.cuh, EpiSmem); none for the others.
 template <int kBytes>
@@ -117,7 +117,7 @@ struct SharedStorage {
   alignas(8) uint64_t full[Cfg::kStages];   // producer -> consumers: stage loaded
   alignas(8) uint64_t empty[Cfg::kStages];  // consumers -> producer: stage free
   int tile_start[kMaxExperts + 1];          // varlen-M scheduler prefix
-  alignas(16) GatherOffsets<kGatherRows> gather;
+  alignas(16) GatherRowAddrs<kGatherRows> gather;
 };
 
 // The pipeline position both sides advance through, across tiles.
