@@ -33,7 +33,8 @@ __global__ void __launch_bounds__(kThreads, 1) engine_kernel(const __grid_consta
 template <class Cfg, class Producer, class Consumer, class Epi, class Tail, int kProducerRegs, int kConsumerRegs>
 struct KernelBody {
   static constexpr int kEpiBytes = EpiSmem<Epi, Cfg::BN>::kBytes;  // a staged epilogue's slabs
-  static_assert(kEpiBytes == 0 || Cfg::kPingPong, "staged epilogues: ping-pong only");
+  static_assert(kEpiBytes == 0 || Cfg::kPingPong || kIsTmaStore<Epi>,
+                "staged epilogues: ping-pong, or the cooperative varlen-K TMA store");
   using Storage = SharedStorage<Cfg, Producer::kGatherRows, kEpiBytes>;
   // setmaxnreg moves registers inside the CTA's launch allocation (168 per thread x 384, the
   // __launch_bounds__(384, 1) cap): asking for more than that total blocks the increase forever.
@@ -91,8 +92,12 @@ struct KernelBody {
       const TileCtx ctx = tile_ctx(sched.get(t), k_tiles, tail_valid);
       const auto pre = Epi::prefetch(p.epi, accum, cd, ctx);  // per-row epilogue inputs, early
       Consumer::template run<Tail>(tiled_mma, tCrA, tCrB, accum, k_tiles, tail_valid, ps, s);
-      Epi::apply(p.epi, accum, cd, ctx, pre);
+      if constexpr (kEpiBytes > 0)
+        Epi::apply_coop(p.epi, p.tma_d, p.d_rows, accum, cd, ctx, s.epi.bytes);
+      else
+        Epi::apply(p.epi, accum, cd, ctx, pre);
     }
+    if constexpr (kEpiBytes > 0) Epi::finish();
   }
 
   // Ping-pong: the CTA's tiles t = first + j * stride in order; warpgroup w takes the j
@@ -338,6 +343,14 @@ struct VarlenKKernel {
                          typename Cfg::SmemLayoutA{}(_, _, Int<0>{}));
   }
   using TmaP = decltype(tma_for_a(nullptr, GmemMN{}));
+  // The TMA-store epilogue's map over D viewed as [E * N][M] or [E * M][N] (EpiStoreTma; unused
+  // otherwise).
+  static constexpr bool kTmaStoreEpi = kIsTmaStore<Epi>;
+  using GmemK = Layout<Shape<int, int>, Stride<int64_t, _1>>;  // (rows, columns), columns contiguous
+  static auto tma_for_d(Bf16* ptr, GmemK gl) {
+    return make_tma_copy(SM90_TMA_STORE{}, make_tensor(make_gmem_ptr(ptr), gl), EpiStoreTma<true>::SmemLayout{});
+  }
+  using TmaD = decltype(tma_for_d(nullptr, GmemK{}));
 
   struct Params {
     int E, M, N;
@@ -350,6 +363,8 @@ struct VarlenKKernel {
     int q_rows;     // rows of Q's tensor map (N columns, the grouped rows); P's too without a gather
     TmaQ tma_q;
     TmaP tma_p;     // !kGatherP: P by TMA (M columns, the grouped rows)
+    TmaD tma_d;     // kTmaStoreEpi only
+    int d_rows;     // rows of D's map (kTmaStoreEpi)
     typename Epi::Params epi;
   };
 
@@ -358,6 +373,13 @@ struct VarlenKKernel {
     p.tma_q = tma_for(Q, make_layout(make_shape(p.N, p.q_rows), make_stride(_1{}, ld_q)));
     if constexpr (!kGatherP)
       p.tma_p = tma_for_a(p.P, make_layout(make_shape(p.M, p.q_rows), make_stride(_1{}, p.ld_p)));
+    p.d_rows = 0;
+    if constexpr (kTmaStoreEpi) {  // p.epi is set (run_varlen_k)
+      p.d_rows = static_cast<int>(Epi::d_rows(p.epi, p.E));
+      const int cols = static_cast<int>(Epi::d_cols(p.epi));
+      p.tma_d = tma_for_d(reinterpret_cast<Bf16*>(p.epi.D),
+                          make_layout(make_shape(p.d_rows, cols), make_stride(int64_t{cols}, _1{})));
+    }
   }
 
   __device__ static void run(const Params& p, Storage& s) {
@@ -365,6 +387,7 @@ struct VarlenKKernel {
     if (threadIdx.x == 0) {
       cute::prefetch_tma_descriptor(p.tma_q.get_tma_descriptor());
       if constexpr (!kGatherP) cute::prefetch_tma_descriptor(p.tma_p.get_tma_descriptor());
+      if constexpr (kTmaStoreEpi) cute::prefetch_tma_descriptor(p.tma_d.get_tma_descriptor());
     }
     __syncthreads();
     int rank = 0;

@@ -56,6 +56,8 @@ Status run_varlen_m(const VarlenMArgs& a, int sm_count, cudaStream_t stream, con
 
 inline EpiStore::Params epi_params_k(EpiStore*, const VarlenKArgs& a) { return {a.D, a.N}; }
 inline EpiStoreT::Params epi_params_k(EpiStoreT*, const VarlenKArgs& a) { return {a.D, a.M, a.N}; }
+template <bool kTrans>
+inline EpiStoreT::Params epi_params_k(EpiStoreTma<kTrans>*, const VarlenKArgs& a) { return {a.D, a.M, a.N}; }
 
 // a: P gathered (kGatherP), Q contiguous (engine.cu swaps a gather_q call into this form); or
 // neither gathered (both by TMA).
@@ -114,27 +116,30 @@ struct Instance<Kind::da_dswiglu, BN, S, C> {  // gathered dO, W2 MN-major, dSwi
     return run_varlen_m<Cfg, ALoad::kGather, EpiDSwiGLU>(a, sms, s, name);
   }
 };
+// The varlen-K epilogue stages 64 x 64 pieces in shared memory for TMA stores (EpiStoreTma): its
+// 16 KB come out of the pipeline's budget (BN 256: 4 stages either way, BN 128: 6).
 template <int BN, int C>
-using VarlenKConfig = TileConfig<BN, stages_for(BN), GMMA::Major::MN, GMMA::Major::MN, false, C>;
+using VarlenKConfig =
+    TileConfig<BN, stages_for(BN, EpiSmem<EpiStoreTma<true>, BN>::kBytes), GMMA::Major::MN, GMMA::Major::MN, false, C>;
 template <int BN, Sched S, int C>
 struct Instance<Kind::dw_gather_p, BN, S, C> {  // P gathered, Q by TMA, D [E][M][N]
   static_assert(S == Sched::kCoop && (C == 1 || C == 2), "varlen-K: cooperative, cluster 1 or 2 along M");
   static Status run(const VarlenKArgs& a, int sms, cudaStream_t s, const char* name) {
-    return run_varlen_k<VarlenKConfig<BN, C>, EpiStore>(a, sms, s, name);
+    return run_varlen_k<VarlenKConfig<BN, C>, EpiStoreTma<false>>(a, sms, s, name);
   }
 };
 template <int BN, Sched S, int C>
 struct Instance<Kind::dw_gather_p_t, BN, S, C> {  // P gathered, Q by TMA, D stored transposed
   static_assert(S == Sched::kCoop && (C == 1 || C == 2), "varlen-K: cooperative, cluster 1 or 2 along M");
   static Status run(const VarlenKArgs& a, int sms, cudaStream_t s, const char* name) {
-    return run_varlen_k<VarlenKConfig<BN, C>, EpiStoreT>(a, sms, s, name);
+    return run_varlen_k<VarlenKConfig<BN, C>, EpiStoreTma<true>>(a, sms, s, name);
   }
 };
 template <int BN, Sched S, int C>
 struct Instance<Kind::dw_tma, BN, S, C> {  // P and Q contiguous, both by TMA, D [E][M][N]
   static_assert(S == Sched::kCoop && (C == 1 || C == 2), "varlen-K: cooperative, cluster 1 or 2 along M");
   static Status run(const VarlenKArgs& a, int sms, cudaStream_t s, const char* name) {
-    return run_varlen_k<VarlenKConfig<BN, C>, EpiStore, false>(a, sms, s, name);
+    return run_varlen_k<VarlenKConfig<BN, C>, EpiStoreTma<false>, false>(a, sms, s, name);
   }
 };
 

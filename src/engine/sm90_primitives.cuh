@@ -66,6 +66,21 @@ __device__ __forceinline__ void st_shared_u32(uint32_t smem_addr, uint32_t v) {
   asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(smem_addr), "r"(v) : "memory");
 }
 
+// Four 8 x 8 bf16 matrices held in the MMA fragment layout (lane l: row l / 4, columns 2 (l % 4)
+// and + 1; register i: matrix i) into shared memory: lane 8 i + r gives the address of row r of
+// matrix i (16 contiguous bytes), or with kTrans of row r of its transpose, i.e. of column r.
+template <bool kTrans>
+__device__ __forceinline__ void stmatrix_x4(uint32_t smem_addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  if constexpr (kTrans)
+    asm volatile("stmatrix.sync.aligned.x4.trans.m8n8.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(smem_addr),
+                 "r"(r0), "r"(r1), "r"(r2), "r"(r3)
+                 : "memory");
+  else
+    asm volatile("stmatrix.sync.aligned.x4.m8n8.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(smem_addr), "r"(r0),
+                 "r"(r1), "r"(r2), "r"(r3)
+                 : "memory");
+}
+
 // ---- TMA stores: the bulk groups of the issuing thread ------------------------------------------
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 // Its stores have read shared memory (the buffer may be written again) / have completed.
