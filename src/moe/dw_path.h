@@ -32,6 +32,15 @@
 //   loses: n1024 d2048 2.02-2.07 / 2.16, n768 d2048 3.18-3.20 / 3.26-3.28, 120B n1024 8.18 / 8.67,
 //   Qwen3-235B n1536 11.84 / 13.12, K1 E16 n1024 0.48-0.52 / 0.53; and at n 4096-8192 (wide E8 /
 //   E4: 3.48-3.56 / 3.80-3.83, 0.90-0.92 / 1.05-1.09).
+// Since every varlen-K kernel stores through stmatrix (.trans for dW1) and TMA (71543c7; the
+// register transpose of the dW1 epilogue held ~45% of its consumers' samples), the fused dW1 wins on
+// all 32 shapes measured (public configs, sweep, 13 more; ms fused / engine_tma, two runs each,
+// bench/results/h200/varlen_k_issue/call8_tma_store/b0_dwpaths.md): Qwen3-Next (640 rows) 2.84-2.97 /
+// 3.41-3.51, narrow E512 (256 rows) 0.205 / 0.32, 120B (2048 rows) 7.34-7.45 / 8.15-8.25, Qwen3-235B
+// 11.67-11.69 / 11.99-12.43, DeepSeek n2048 28.97-29.05 / 29.48-29.81, wide E8 n4096 3.43 / 3.50-3.54,
+// wide E4 n8192 0.885-0.922 / 0.906-0.942 (the closest), T20000 n768 2.02 / 2.35. Both gradients take
+// the fused gather; the other paths stay behind SMOE_DW_PATH.
+
 #pragma once
 
 #include <cstdint>
@@ -55,25 +64,16 @@ inline DwPath forced_dw_path(bool* forced) {
   return DwPath::kCutlass;
 }
 
-constexpr int kDw1FusedMaxN = 512;           // 7B n512 wins, T20000 n768 loses
-constexpr int64_t kDw1FusedMinRows = 1024;   // narrow E384 (1024 rows) wins, Qwen3-Next (640) loses
-constexpr int kDw1FusedWideMaxN = 1536;      // n1536 (6144 rows) wins; n4096 lost (2x the x re-reads)
-constexpr int64_t kDw1FusedWideMinRows = 3072;  // 3072 rows win at n768, 2048 lose at n768-1536
-
 inline DwPath dw2_path(const MoEShape&) {
   bool forced = false;
   const DwPath f = forced_dw_path(&forced);
   return forced ? f : DwPath::kEngine;
 }
 
-inline DwPath dw1_path(const MoEShape& s) {
+inline DwPath dw1_path(const MoEShape&) {
   bool forced = false;
   const DwPath f = forced_dw_path(&forced);
-  if (forced) return f;
-  const int64_t rows_per_expert = s.T * s.K / (s.E > 0 ? s.E : 1);
-  const bool fused = (s.n <= kDw1FusedMaxN && rows_per_expert >= kDw1FusedMinRows) ||
-                     (s.n <= kDw1FusedWideMaxN && rows_per_expert >= kDw1FusedWideMinRows);
-  return fused ? DwPath::kEngine : DwPath::kEngineTma;
+  return forced ? f : DwPath::kEngine;
 }
 
 }  // namespace layer

@@ -252,30 +252,16 @@ TEST(EngineApi, WeightGradientPath) {
   unsetenv("SMOE_DW_PATH");
   using smoe::layer::DwPath;
   smoe::MoEShape small{40960, 768, 256, 128, 8}, wide{16384, 4096, 4096, 8, 2};
-  // dW2: always the fused gather (since 15796e9); dW1: at n <= 512 with >= 1024 rows per expert on average, or n <= 1536 with >= 3072 (dw_path.h).
+  // Both gradients always take the fused gather (dW2 since daa3d48, dW1 since the TMA-store epilogue; dw_path.h).
   using smoe::layer::dw1_path;
   using smoe::layer::dw2_path;
-  EXPECT_EQ(dw2_path(small), DwPath::kEngine);
-  EXPECT_EQ(dw1_path(small), DwPath::kEngine);
-  EXPECT_EQ(dw2_path(wide), DwPath::kEngine);                                       // 16 N-tiles
-  EXPECT_EQ(dw1_path(wide), DwPath::kEngineTma);
-  EXPECT_EQ(dw2_path(smoe::MoEShape{32768, 7168, 2048, 256, 8}), DwPath::kEngine);     // 8 N-tiles
-  EXPECT_EQ(dw2_path(smoe::MoEShape{12345, 2560, 1408, 64, 8}), DwPath::kEngine);      // BN 128: 11
-  EXPECT_EQ(dw2_path(smoe::MoEShape{32768, 2048, 1024, 64, 8}), DwPath::kEngine);
-  EXPECT_EQ(dw2_path(smoe::MoEShape{9999, 1536, 640, 40, 4}), DwPath::kEngine);        // BN 128: 5
-  EXPECT_EQ(dw1_path(smoe::MoEShape{32768, 4096, 256, 256, 16}), DwPath::kEngine);
-  EXPECT_EQ(dw1_path(smoe::MoEShape{32768, 4096, 384, 256, 16}), DwPath::kEngine);
-  EXPECT_EQ(dw1_path(smoe::MoEShape{24576, 1536, 512, 64, 4}), DwPath::kEngine);       // 1536 rows
-  EXPECT_EQ(dw1_path(smoe::MoEShape{32768, 2048, 256, 384, 12}), DwPath::kEngine);     // 1024 rows
-  EXPECT_EQ(dw1_path(smoe::MoEShape{32768, 2048, 512, 512, 10}), DwPath::kEngineTma);  // 640 rows
-  EXPECT_EQ(dw1_path(smoe::MoEShape{16384, 1024, 128, 512, 8}), DwPath::kEngineTma);   // 256 rows
-  EXPECT_EQ(dw1_path(smoe::MoEShape{20000, 3072, 768, 96, 6}), DwPath::kEngineTma);    // n 768, 1250 rows
-  EXPECT_EQ(dw1_path(smoe::MoEShape{36864, 3072, 768, 96, 8}), DwPath::kEngine);       // n 768, 3072 rows
-  EXPECT_EQ(dw1_path(smoe::MoEShape{32768, 2048, 1024, 64, 8}), DwPath::kEngine);      // OLMoE: 4096 rows
-  EXPECT_EQ(dw1_path(smoe::MoEShape{32768, 4096, 1024, 128, 8}), DwPath::kEngineTma);  // 120B: 2048 rows
-  EXPECT_EQ(dw1_path(smoe::MoEShape{36864, 2560, 1536, 48, 8}), DwPath::kEngine);      // n 1536, 6144 rows
-  EXPECT_EQ(dw1_path(smoe::MoEShape{32768, 4096, 1536, 128, 8}), DwPath::kEngineTma);  // Qwen3-235B: 2048
-  EXPECT_EQ(dw1_path(smoe::MoEShape{32768, 4096, 2048, 64, 8}), DwPath::kEngineTma);   // n 2048: too wide
+  for (const smoe::MoEShape& s : {small, wide, smoe::MoEShape{32768, 7168, 2048, 256, 8},
+                                  smoe::MoEShape{12345, 2560, 1408, 64, 8}, smoe::MoEShape{32768, 2048, 512, 512, 10},
+                                  smoe::MoEShape{16384, 1024, 128, 512, 8}, smoe::MoEShape{32768, 4096, 1536, 128, 8},
+                                  smoe::MoEShape{8192, 2048, 8192, 4, 1}}) {
+    EXPECT_EQ(dw2_path(s), DwPath::kEngine);
+    EXPECT_EQ(dw1_path(s), DwPath::kEngine);
+  }
   setenv("SMOE_DW_PATH", "engine", 1);
   EXPECT_EQ(smoe::layer::dw1_path(wide), DwPath::kEngine);
   setenv("SMOE_DW_PATH", "cutlass", 1);
