@@ -50,7 +50,22 @@ __device__ __forceinline__ void store_out(V* p, const V& v, bool stream_out) {
   else *p = v;
 }
 
-__device__ __forceinline__ float silu_f(float g) { return g / (1.f + __expf(-g)); }
+// sigmoid(g) = 1 / (1 + 2^(-g log2 e)) in four instructions (FMUL, MUFU.EX2, FADD, MUFU.RCP), both
+// approximations flushing denormals (<= 2 ulp of fp32 each, far below the bf16 rounding of every
+// output they feed). An IEEE division adds a slow-path test and call per element (FSETP, BSSY,
+// CALL, BSYNC) whose branches keep ptxas from interleaving a row's elements, and __expf without
+// ftz a range test and two predicated multiplies: in the dSwiGLU epilogue that was a quarter of its
+// instructions (ncu at bab8f11, OLMoE dA': the epilogue held ~40% of the kernel's warp samples, more
+// than the other warpgroup's mainloop it should hide under). Limits: g > 87 flushes e to 0 (sig =
+// 1); g -> -inf gives 1 + e = inf and rcp 0. Forward (silu_f) and backward (sigmoid_f, silu = g sig)
+// share it, so the backward's recomputed a = silu(g~) u~ is the forward's A before rounding.
+__device__ __forceinline__ float sigmoid_f(float g) {
+  float e, r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(g * -1.4426950408889634f));
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(1.f + e));
+  return r;
+}
+__device__ __forceinline__ float silu_f(float g) { return g * sigmoid_f(g); }
 
 // This thread's place in the accumulator tile (see the header comment).
 struct AccPos {
@@ -736,7 +751,7 @@ struct EpiDSwiGLUT {
         CUTE_UNROLL
         for (int qq = 0; qq < 2; ++qq) {
           const float g = qq ? g2.y : g2.x, u = qq ? u2.y : u2.x;
-          const float sig = 1.f / (1.f + __expf(-g));
+          const float sig = sigmoid_f(g);
           const float sl = g * sig;
           const float a = sl * u;
           const float da_prime = __uint_as_float(qq ? hi[k] : lo[k]);
@@ -804,7 +819,7 @@ struct EpiDSwiGLUT {
         CUTE_UNROLL
         for (int qq = 0; qq < 2; ++qq) {
           const float2 gu = __bfloat1622float2(hv.h2[qq]);
-          const float sig = 1.f / (1.f + __expf(-gu.x));
+          const float sig = sigmoid_f(gu.x);
           const float sl = gu.x * sig;
           const float a = sl * gu.y;
           const float da_prime = acc(4 * j + 2 * h + qq);
