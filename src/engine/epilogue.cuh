@@ -405,6 +405,7 @@ struct EpiStoreTma : WithoutPrefetch<EpiStoreTma<kTrans>> {
   static constexpr int kPiece = 64;    // n columns per round (x a warpgroup's 64 rows)
   static constexpr int kPieceBytes = kPiece * 64 * 2;
   static constexpr int kSmemBytes = 2 * kPieceBytes;  // one buffer per consumer warpgroup
+  static_assert(EpiSmem<EpiStoreTma<kTrans>, 256>::kBytes == kSmemBytes, "EpiSmem's size is declared above");
   using SmemLayout = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Bf16>{}, Shape<_64, _64>{}));
   // D's rows and columns as the tensor map sees them.
   __host__ __device__ static int64_t d_rows(const Params& p, int E) { return int64_t{E} * (kTrans ? p.N : p.M); }

@@ -314,8 +314,8 @@ struct VarlenMKernel {
 };
 
 // ---- varlen-K --------------------------------------------------------------------------------
-// P gathered (cp.async; kGatherP) or contiguous (TMA), Q contiguous (TMA); Epi = EpiStore
-// (D [E][M][N]) or EpiStoreT (D [E][N][M]). The cp.async -> wgmma proxy fence only with a gather.
+// P gathered (cp.async; kGatherP) or contiguous (TMA), Q contiguous (TMA); Epi = EpiStoreTma<false>
+// (D [E][M][N]) or EpiStoreTma<true> (D [E][N][M]); the register-path EpiStore / EpiStoreT still build. The cp.async -> wgmma proxy fence only with a gather.
 // Cfg::kClusterM == 2: a pair along M, Q multicast (producer_varlen_k.cuh).
 template <class Cfg, class Epi_, bool kGatherP = true>
 struct VarlenKKernel {
