@@ -1,6 +1,6 @@
 """Builds the PyTorch extension smoe_torch ahead of time: `pip install --no-build-isolation .`
 
-The core library (CUDA kernels, CUTLASS grouped GEMMs) is built by the project's own CMake into
+The core library (routing, the fused grouped-GEMM engine, the layer) is built by the project's own CMake into
 build-torch/ (shared cudart, position-independent code, no tests); the binding
 (python/smoe_torch/csrc/ops.cpp) is a host-only C++ file compiled against the installed torch and
 linked with that static library. No nvcc is needed at import time.
@@ -86,7 +86,7 @@ if NCCL:
 
 setup(
     name="smoe-torch",
-    version="0.1.0",
+    version=open(os.path.join(ROOT, "VERSION")).read().strip(),  # the one version number (VERSION)
     description="Hopper MoE training kernels (SonicMoE-style) for PyTorch",
     packages=["smoe_torch"],
     package_dir={"": "python"},

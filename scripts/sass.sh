@@ -5,7 +5,7 @@
 # The CUDA 13 toolkit here ships neither cuobjdump nor nvdisasm; their PyPI wheels
 # (nvidia-cuda-cuobjdump, nvidia-cuda-nvdisasm) are fetched once into .deps/cuda-tools/.
 # BUILD (default build/) names the build folder. Use it to check what ptxas made of a producer loop,
-# e.g. where a load's first use is (docs/wip/README.md, varlen_k_index_lookahead).
+# e.g. where a load's first use is.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 TOOLS="$ROOT/.deps/cuda-tools"

@@ -262,10 +262,13 @@ struct MoEWeights {
 // MoEBackwardArgs::status, when given), never an out-of-range read. The rest of the buffer:
 // H [TK][2n] bf16 (pre-activation), scores, topk experts and the routing metadata: about
 // 4*T*K*n + O(T*K) bytes. Nothing of size O(T*K*d) is kept; x is the caller's own tensor.
-// The size queries return 0 for a shape moe_can_implement rejects. The backward workspace holds
-// per-SM descriptors of the CUTLASS weight-gradient GEMM (used for wide experts), so its size is
-// that of the CURRENT device: query it with the device the call will run on current; it returns
-// 0 when no device can be queried or it is not a Hopper (sm_90) GPU.
+// The size queries are host arithmetic on the shape alone: no device is queried, so they give the
+// same bytes on any machine, with or without a GPU; they return 0 only for a shape
+// moe_can_implement rejects. With R = moe_row_capacity(shape), each region rounded up to 256 bytes,
+// the backward workspace is: 32 MiB cuBLAS workspace (not for kProvided), A' [R][n] and dH [R][2n]
+// bf16, dX~ [R][d] bf16, the dS partials [R][ceil(n/128)] fp32; dS [R] fp32, dlogits [T][E] bf16
+// and dW_r [E][d] fp32 unless kProvided; dl [T*K] fp32 for kTopKSoftmax; the recomputed logits
+// [T][E] and dx_router [T][d] fp32 for kTokenRounding; a 4-byte flag and expert_offset [E+1].
 // Prepares the current device for layer calls from this host thread (the cuBLAS handle) and checks
 // that it is a Hopper (sm_90) GPU. Optional, except before the first call inside graph capture.
 Status moe_init();

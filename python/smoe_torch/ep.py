@@ -11,19 +11,18 @@ local experts (smoe/ep.h), as torch ops with autograd.
 The context owns an NCCL communicator of its own, bootstrapped from a torch.distributed group
 (unique id broadcast); NVLink multicast stays off (NCCL_NVLS_ENABLE=0 is set if unset). Every
 rank calls ep_moe (and its backward) in the same order: they are collective.
+The ops' fakes and autograd are registered in _ops.py (load_ep), their sizes computed in _layout.py.
 """
 import os
 
 import torch
 import torch.distributed as dist
 
-from . import _C  # noqa: F401  (torch.ops.smoe, defined first)
+from . import _C, _layout, _ops  # _C (torch.ops.smoe) is loaded before _ep's fragment adds to it
+from ._layout import ep_saved_state_bytes  # noqa: F401  (the fakes' saved size, symbolic in T)
 
-try:
-    from . import _ep
-except ImportError as _e:  # built without NCCL
-    _ep = None
-    _ep_import_error = _e
+# smoe_torch._ep with its ops' fakes and autograd registered (_ops.load_ep), or None: built without NCCL.
+_ep, _ep_import_error = _ops.load_ep()
 
 
 class EpGroup:
@@ -47,14 +46,17 @@ class EpGroup:
         self.max_tokens, self.d, self.n, self.E, self.K = max_tokens, d, n, num_experts, top_k
         self.experts_per_rank = num_experts // self.world
         self.info = dict(_ep.info(self.handle))
-        _ep_shapes[self.handle] = (self.n, self.K, self.world, self.info["experts_per_rank"],
-                                   self.info["local_slots"], self.info["recv_capacity"])
+        # The local layer's saved state does not depend on T: asked of C++ once (moe_saved_state_size
+        # of the context's local_shape: T = receive capacity, E / R experts, min(K, E / R) slots).
+        layer_bytes = _C.saved_state_size(self.info["recv_capacity"], d, n, self.info["experts_per_rank"],
+                                          self.info["local_slots"], _layout.ROUTER_PROVIDED, 0)
+        _layout.register_ep_group(self.handle, layer_bytes, self.world, self.K)
 
     def close(self):
         """Collective: every rank closes its group."""
         if self.handle:
             h, self.handle = self.handle, 0
-            _ep_shapes.pop(h, None)
+            _layout.forget_ep_group(h)
             _ep.destroy(h)
 
     def status_flags(self):
@@ -63,45 +65,6 @@ class EpGroup:
 
     def saved_state_bytes(self, T):
         return _ep.saved_state_size(self.handle, T)
-
-
-_ep_shapes = {}   # handle -> (n, K, world, experts per rank, local slots, receive capacity)
-
-
-def _align(b):
-    return (b + 255) // 256 * 256
-
-
-def ep_saved_state_bytes(handle, T):
-    """ep_saved_state_size in Python (src/ep/ep_layer.cpp's saved layout: the local layer's saved state
-    over the receive capacity, then the counts, send_pos and ids), symbolic in T for torch.compile.
-    Tested against the C++ query (tests/python/test_ep.py)."""
-    from . import saved_state_bytes
-    n, K, R, El, Kl, cap = _ep_shapes[handle]
-    return saved_state_bytes(cap, n, El, Kl, router=2) + _align(R * R * 4) + _align(R * T * 4) + _align(T * K * 4)
-
-
-if _ep is not None:
-    @torch.library.register_fake("smoe::ep_forward")
-    def _ep_forward_fake(ctx, x, expert, scores, w1, w2):
-        return torch.empty_like(x), x.new_empty((ep_saved_state_bytes(ctx, x.shape[0]),), dtype=torch.uint8)
-
-    @torch.library.register_fake("smoe::ep_backward")
-    def _ep_backward_fake(ctx, dout, x, w1, w2, saved):
-        return (torch.empty_like(x), x.new_empty((x.shape[0], _ep_shapes[ctx][1]), dtype=torch.float32),
-                torch.empty_like(w1), torch.empty_like(w2))
-
-    def _setup(ctx, inputs, output):
-        handle, x, _expert, _scores, w1, w2 = inputs
-        ctx.handle = handle
-        ctx.save_for_backward(x, w1, w2, output[1])
-
-    def _backward(ctx, dout, _dsaved):
-        x, w1, w2, saved = ctx.saved_tensors
-        dx, dscores, dw1, dw2 = torch.ops.smoe.ep_backward(ctx.handle, dout.contiguous(), x, w1, w2, saved)
-        return None, dx, None, dscores, dw1, dw2
-
-    torch.library.register_autograd("smoe::ep_forward", _backward, setup_context=_setup)
 
 
 def ep_moe(group, x, expert, scores, w1_local, w2_local):

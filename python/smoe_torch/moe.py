@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import _C  # noqa: F401  (registers torch.ops.smoe.*; imported before this module)
+from . import _C, _layout  # _C: torch.ops.smoe.* (the package's _ops registered their fakes and autograd first)
 from .packing import GroupedExperts, PackedGateUp  # noqa: F401  (GroupedExperts: the public name stays here)
 
 ops = torch.ops.smoe
@@ -275,10 +275,10 @@ class MoE(nn.Module):
             if self.token_rounding is not None:
                 mode = ROUNDING_MODES[self.token_rounding]
                 out, saved = ops.moe_forward_tr(x2, wr, w1, w2, self.top_k, mode, self.rounding_seed, w3)
-                router, rounding = 1, mode
+                router, rounding = _layout.ROUTER_TOKEN_ROUNDING, mode
             else:
                 out, saved = ops.moe_forward(x2, wr, w1, w2, self.top_k, w3)
-                router, rounding = 0, 0
+                router, rounding = _layout.ROUTER_TOPK_SOFTMAX, 0
             if self.aux_loss_coef > 0:
                 # f from the routing's own counts (no second top-K); P needs the softmax over E.
                 T = x2.shape[0]

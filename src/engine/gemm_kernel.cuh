@@ -14,7 +14,7 @@
 
 #include "common/check.h"
 #include "engine/consumer_mma.cuh"
-#include "engine/epilogue.cuh"
+#include "engine/epilogue/common.cuh"
 #include "engine/producer_varlen_k.cuh"
 #include "engine/producer_varlen_m.cuh"
 #include "engine/tile_config.cuh"
@@ -173,20 +173,14 @@ struct VarlenMKernel {
   static auto tma_for(const Bf16* ptr, GL gl, SL sl) {
     return make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(ptr), gl), sl(_, _, Int<0>{}));
   }
-  // A: multicast over a cluster along N (each CTA issues 1/C of the tile).
-  static constexpr bool kAlongN = Cfg::kClusterAlongN;
   template <class GL, class SL>
   static auto tma_for_a(const Bf16* ptr, GL gl, SL sl) {
-    if constexpr (!kAlongN)
-      return tma_for(ptr, gl, sl);
-    else
-      return make_tma_copy(SM90_TMA_LOAD_MULTICAST{}, make_tensor(make_gmem_ptr(ptr), gl), sl(_, _, Int<0>{}),
-                           Int<kCluster>{});
+    return tma_for(ptr, gl, sl);
   }
   // B: multicast over a cluster along M (each CTA issues 1/C of the tile).
   template <class GL, class SL>
   static auto tma_for_b(const Bf16* ptr, GL gl, SL sl) {
-    if constexpr (kCluster == 1 || kAlongN)
+    if constexpr (kCluster == 1)
       return tma_for(ptr, gl, sl);
     else
       return make_tma_copy(SM90_TMA_LOAD_MULTICAST{}, make_tensor(make_gmem_ptr(ptr), gl), sl(_, _, Int<0>{}),
@@ -217,7 +211,7 @@ struct VarlenMKernel {
     const int32_t* expert_offset;
     const Bf16* a_gather;
     const int32_t* gather_idx;
-    bool store_streaming;  // outputs by st.global.cs (epilogue.cuh, store_out)
+    bool store_streaming;  // outputs by st.global.cs (epilogue/common.cuh, store_out_if)
     TmaA tma_a;
     TmaB tma_b;
     TmaB tma_b2;
@@ -292,7 +286,7 @@ struct VarlenMKernel {
       if constexpr (!kGather) cute::prefetch_tma_descriptor(p.tma_a.get_tma_descriptor());
       if constexpr (kStagedEpi) cute::prefetch_tma_descriptor(p.tma_d.get_tma_descriptor());
     }
-    using Sched = VarlenMScheduler<Cfg::BM, kCluster, kAlongN>;
+    using Sched = VarlenMScheduler<Cfg::BM, kCluster>;
     Sched::build(p.expert_offset, p.E, s.tile_start);
     __syncthreads();
     int rank = 0;
@@ -315,13 +309,12 @@ struct VarlenMKernel {
 
 // ---- varlen-K --------------------------------------------------------------------------------
 // P gathered (cp.async; kGatherP) or contiguous (TMA), Q contiguous (TMA); Epi = EpiStoreTma<false>
-// (D [E][M][N]) or EpiStoreTma<true> (D [E][N][M]); the register-path EpiStore / EpiStoreT still build. The cp.async -> wgmma proxy fence only with a gather.
+// (D [E][M][N]) or EpiStoreTma<true> (D [E][N][M]). The cp.async -> wgmma proxy fence only with a gather.
 // Cfg::kClusterM == 2: a pair along M, Q multicast (producer_varlen_k.cuh).
 template <class Cfg, class Epi_, bool kGatherP = true>
 struct VarlenKKernel {
   static constexpr int kCluster = Cfg::kClusterM;
   static_assert(!Cfg::kPingPong, "varlen-K: cooperative only (ZeroTail meets all 256 consumers)");
-  static_assert(!Cfg::kClusterAlongN, "varlen-K: a cluster along M only (Q multicast)");
   using Producer = ProducerVarlenK<Cfg, kGatherP>;
   using Consumer = ConsumerMma<Cfg, kGatherP>;
   using Epi = Epi_;
@@ -346,6 +339,7 @@ struct VarlenKKernel {
   // The TMA-store epilogue's map over D viewed as [E * N][M] or [E * M][N] (EpiStoreTma; unused
   // otherwise).
   static constexpr bool kTmaStoreEpi = kIsTmaStore<Epi>;
+  static_assert(kTmaStoreEpi, "varlen-K stores through EpiStoreTma (epilogue/store_tma.cuh)");
   using GmemK = Layout<Shape<int, int>, Stride<int64_t, _1>>;  // (rows, columns), columns contiguous
   static auto tma_for_d(Bf16* ptr, GmemK gl) {
     return make_tma_copy(SM90_TMA_STORE{}, make_tensor(make_gmem_ptr(ptr), gl), EpiStoreTma<true>::SmemLayout{});
@@ -359,7 +353,7 @@ struct VarlenKKernel {
     const Bf16* P;  // gathered through gather_p
     int64_t ld_p;
     const int32_t* gather_p;
-    bool store_streaming;  // outputs by st.global.cs (epilogue.cuh, store_out)
+    bool store_streaming;  // outputs by st.global.cs (epilogue/common.cuh, store_out_if)
     int q_rows;     // rows of Q's tensor map (N columns, the grouped rows); P's too without a gather
     TmaQ tma_q;
     TmaP tma_p;     // !kGatherP: P by TMA (M columns, the grouped rows)

@@ -1,65 +1,52 @@
-// Maps the host argument structs (engine.h) to one kernel instantiation: epilogue parameters,
-// device Params, persistent grid. Included only by the generated instance files (instance.cu.in).
+// Maps a typed configuration (config.h) to one kernel instantiation: epilogue parameters (each
+// epilogue's own make function, epilogue/*.h), device Params, persistent grid. Included only by the
+// generated instance files (instance.cu.in).
 #pragma once
 
+#include "engine/config.h"
 #include "engine/engine.h"
+#include "engine/epilogue/dswiglu.cuh"
+#include "engine/epilogue/store.cuh"
+#include "engine/epilogue/store_staged.cuh"
+#include "engine/epilogue/store_tma.cuh"
+#include "engine/epilogue/swiglu.cuh"
 #include "engine/gemm_kernel.cuh"
 
 namespace smoe {
 namespace engine {
 
-inline EpiStore::Params epi_params(EpiStore*, const VarlenMArgs& a, int) { return {a.D, a.N}; }
+inline StoreParams epi_params(EpiStore*, const VarlenMArgs& a) { return store_params(a); }
 template <int kSlabs>
-inline EpiStore::Params epi_params(EpiStoreStagedT<kSlabs>*, const VarlenMArgs& a, int) { return {a.D, a.N}; }
+inline StoreParams epi_params(EpiStoreStagedT<kSlabs>*, const VarlenMArgs& a) { return store_params(a); }
 template <bool kHalves>
-inline EpiSwiGLUParams epi_params(EpiSwiGLUT<kHalves>*, const VarlenMArgs& a, int) { return {a.D, a.D2, a.N}; }
+inline EpiSwiGLUParams epi_params(EpiSwiGLUT<kHalves>*, const VarlenMArgs& a) { return swiglu_params(a); }
 template <bool kHalves>
-inline EpiDSwiGLUParams epi_params(EpiDSwiGLUT<kHalves>*, const VarlenMArgs& a, int) {
-  // dS partials per 128 columns whatever the tile width (a 256-wide tile writes two; epilogue.cuh)
-  return {a.H, a.dH, a.D2, a.scores, a.scatter, a.ds_partial, a.N, ds_partial_tiles(a.N)};
-}
+inline EpiDSwiGLUParams epi_params(EpiDSwiGLUT<kHalves>*, const VarlenMArgs& a) { return dswiglu_params(a); }
 
-// Schedule of a varlen-M instantiation (tile_config.cuh); kPingPongStaged / kPingPongStaged2:
-// ping-pong whose store epilogue stages its tile in shared memory for TMA stores, in one or two
-// 32-row slabs per warpgroup (EpiStoreStagedT<1 / 2>; stages 5 / 4 at BN 192, 6 / 6 at 128).
-// kPingPong64: ping-pong with 64 x BN tiles (BN = 256: one m64n256 wgmma per K-step, half the
-// gathered bytes per FLOP of 128 x 128; tile_config.cuh).
-enum class Sched { kCoop, kPingPong, kPingPongStaged, kPingPongStaged2, kPingPong64 };
 // The store epilogue of a schedule.
 template <Sched S>
 using StoreEpi = std::conditional_t<S == Sched::kPingPongStaged, EpiStoreStagedT<1>,
                                     std::conditional_t<S == Sched::kPingPongStaged2, EpiStoreStagedT<2>, EpiStore>>;
 
-// kCluster: 1, 2 (a pair along M, B multicast) or -2 (a pair along N, A multicast).
+// kCluster: 1 or 2 (a pair along M, B multicast).
 template <int BN, GMMA::Major kMajorB, Sched kSched, int kCluster>
 using VarlenMConfig =
-    TileConfig<BN,
-               stages_for(BN, EpiSmem<StoreEpi<kSched>, BN>::kBytes,
-                          kSched == Sched::kPingPong64 ? 64 : 128),
-               GMMA::Major::K, kMajorB, kSched != Sched::kCoop, kCluster < 0 ? -kCluster : kCluster, (kCluster < 0),
+    TileConfig<BN, stages_for(BN, EpiSmem<StoreEpi<kSched>, BN>::kBytes, kSched == Sched::kPingPong64 ? 64 : 128),
+               GMMA::Major::K, kMajorB, kSched != Sched::kCoop, kCluster,
                kSched == Sched::kPingPong64 ? 64 : 128>;
 
 template <class Cfg, ALoad kALoad, class Epi>
 Status run_varlen_m(const VarlenMArgs& a, int sm_count, cudaStream_t stream, const char* name) {
-  using K = VarlenMKernel<Cfg, kALoad, Epi>;  // varlen_m (engine.cu) returned already if rows == 0
+  using K = VarlenMKernel<Cfg, kALoad, Epi>;  // varlen_m (engine.cpp) returned already if rows == 0
   const int n_tiles = (a.N + Cfg::BN - 1) / Cfg::BN;
   const auto p = K::make_params(a.num_experts, a.N, a.K, a.A, static_cast<int>(a.a_rows), a.gather_idx,
-                                a.B, a.B2, a.expert_offset, epi_params(static_cast<Epi*>(nullptr), a, n_tiles));
-  // Units: sum_e ceil(m_e / (C BM)) <= rows / (C BM) + E, times the column tiles; along N, M-tiles
-  // times pairs of column tiles.
-  const int64_t units =
-      Cfg::kClusterAlongN
-          ? (a.rows / Cfg::BM + a.num_experts) * static_cast<int64_t>((n_tiles + Cfg::kClusterM - 1) / Cfg::kClusterM)
-          : (a.rows / (Cfg::BM * Cfg::kClusterM) + a.num_experts) * static_cast<int64_t>(n_tiles);
+                                a.B, a.B2, a.expert_offset, epi_params(static_cast<Epi*>(nullptr), a));
+  // Units: sum_e ceil(m_e / (C BM)) <= rows / (C BM) + E, times the column tiles.
+  const int64_t units = (a.rows / (Cfg::BM * Cfg::kClusterM) + a.num_experts) * static_cast<int64_t>(n_tiles);
   return launch<K>(p, units, sm_count, stream, name);
 }
 
-inline EpiStore::Params epi_params_k(EpiStore*, const VarlenKArgs& a) { return {a.D, a.N}; }
-inline EpiStoreT::Params epi_params_k(EpiStoreT*, const VarlenKArgs& a) { return {a.D, a.M, a.N}; }
-template <bool kTrans>
-inline EpiStoreT::Params epi_params_k(EpiStoreTma<kTrans>*, const VarlenKArgs& a) { return {a.D, a.M, a.N}; }
-
-// a: P gathered (kGatherP), Q contiguous (engine.cu swaps a gather_q call into this form); or
+// a: P gathered (kGatherP), Q contiguous (as_gather_p, heuristic.cpp, swaps a gather_q call into this form); or
 // neither gathered (both by TMA).
 template <class Cfg, class Epi, bool kGatherP = true>
 Status run_varlen_k(const VarlenKArgs& a, int sm_count, cudaStream_t stream, const char* name) {
@@ -75,7 +62,7 @@ Status run_varlen_k(const VarlenKArgs& a, int sm_count, cudaStream_t stream, con
   p.ld_p = a.ld_p;
   p.gather_p = a.gather_p;
   p.store_streaming = store_streaming();
-  p.epi = epi_params_k(static_cast<Epi*>(nullptr), a);
+  p.epi = store_k_params(a);
   K::make_tma(p, reinterpret_cast<const Bf16*>(a.Q), a.ld_q, a.rows);
   // Units: C adjacent M-tiles of one (expert, N-tile) each (one tile without a cluster).
   const int64_t units = static_cast<int64_t>(a.num_experts) * ((p.m_tiles + Cfg::kClusterM - 1) / Cfg::kClusterM) *
@@ -85,7 +72,6 @@ Status run_varlen_k(const VarlenKArgs& a, int sm_count, cudaStream_t stream, con
 
 // The engine's instantiations, one per (kind, BN, schedule, cluster): each file generated from
 // src/engine/instance.cu.in (CMakeLists.txt) defines one inst:: function as Instance<...>::run.
-enum class Kind { up_swiglu, down_store, dx_store, da_dswiglu, dw_gather_p, dw_gather_p_t, dw_tma };
 template <Kind, int BN, Sched, int C>
 struct Instance;
 template <int BN, Sched S, int C>

@@ -37,7 +37,7 @@ namespace engine {
 // issues its copies back to back. (At 2dc5ce4 the addresses were formed one K-tile ahead from
 // staged element offsets, ~100 instructions per K-tile, and ptxas copied each 64-bit address into
 // one register pair before its cp.async, so every copy waited until the previous one had read its
-// operands: under ncu (30B n512 dW1, bench/results/h200/varlen_k_issue/) the producer spent 27% of
+// operands: under ncu (30B n512 dW1, daa3d48) the producer spent 27% of
 // its samples forming addresses and 23% in that serialised issue, the consumers ~1/3 of theirs
 // waiting for data.)
 template <int BX, int BK, class SmemLayout>
@@ -128,12 +128,12 @@ struct GatherRowLoader {
 };
 
 // P (operand A, the 128-wide side) gathered by cp.async (kGatherP) or contiguous by TMA, Q
-// (operand B) contiguous by TMA. A call with Q gathered runs as its transpose (engine.cu), so these
+// (operand B) contiguous by TMA. A call with Q gathered runs as its transpose (engine.cpp, as_gather_p in heuristic.cpp), so these
 // are the only arrangements needed. Without a gather both boxes come from one thread and the
 // stage's barrier has that one arrival (no cp.async ones).
 // In a cluster of 2 along M (Cfg::kClusterM) both CTAs of a pair take adjacent M-tiles of one
 // (expert, N-tile): each loads half of the Q tile and multicasts it into both, so every Q byte
-// leaves L2 once per pair (Q is re-read for every M-tile: for dW1 on engine_tma, x rows 2n/128
+// leaves L2 once per pair (Q is re-read for every M-tile: for an ungathered dW1, x rows 2n/128
 // times); the stage's expected bytes stay the whole tile.
 template <class Cfg, bool kGatherP = true>
 struct ProducerVarlenK {

@@ -33,9 +33,7 @@ struct ProducerVarlenM {
   static constexpr uint32_t kFullArrivals = 1 + (kGather ? kProducerThreads : 0);
   static constexpr int kGatherRows = 0;  // no staged row offsets (SharedStorage)
   static constexpr int kCluster = Cfg::kClusterM;
-  static constexpr bool kAlongN = Cfg::kClusterAlongN;  // A multicast (TMA A only), B per CTA
-  static_assert(!kAlongN || !kGather, "a cluster along N multicasts A: TMA A only");
-  static constexpr int kClusterB = kAlongN ? 1 : kCluster;  // CTAs sharing a B tile
+  static constexpr int kClusterB = kCluster;  // CTAs sharing a B tile (multicast along M)
 
   // B tile (n0.., k) of expert e (see the header comment for the two layouts).
   template <class Params, class SB, class MB>
@@ -92,23 +90,15 @@ struct ProducerVarlenM {
   }
 
   // Contiguous A rows row0.. of the tile (k-th K-tile).
-  // Along N both CTAs of the pair work on the same rows: each loads its 1/C slice of the A tile and
-  // multicasts it into both.
   template <class Params, class SA, class MA>
   __device__ static void load_a_tma(const Params& p, SA& sA, const MA& mA, const WorkTile& w, int k,
                                     int stage, uint64_t& bar, int rank) {
     Tensor gA = local_tile(domain_offset(make_coord(w.row0, 0), mA),
                            make_shape(Int<BM>{}, Int<BK>{}), make_coord(0, _));
-    if constexpr (kAlongN) {
-      auto [tAgA, tAsA] = tma_partition(p.tma_a, rank, Layout<Int<kCluster>>{}, group_modes<0, 2>(sA),
-                                        group_modes<0, 2>(gA));
-      copy(p.tma_a.with(bar, static_cast<uint16_t>((1u << kCluster) - 1)), tAgA(_, k), tAsA(_, stage));
-    } else {
-      (void)rank;
-      auto [tAgA, tAsA] = tma_partition(p.tma_a, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sA),
-                                        group_modes<0, 2>(gA));
-      copy(p.tma_a.with(bar), tAgA(_, k), tAsA(_, stage));
-    }
+    (void)rank;
+    auto [tAgA, tAsA] = tma_partition(p.tma_a, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sA),
+                                      group_modes<0, 2>(gA));
+    copy(p.tma_a.with(bar), tAgA(_, k), tAsA(_, stage));
   }
 
   template <class Params, class Storage, class Sched>

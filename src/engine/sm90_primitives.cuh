@@ -25,7 +25,7 @@ __device__ __forceinline__ void cp_async_16_zfill(uint32_t smem_addr, const void
 // lim (the row lies past the end), in one asm statement: the eight sources are distinct operands,
 // so ptxas keeps them in eight register pairs. Issued one by one (cp_async_16_zfill in a loop), it
 // formed every address in the same pair, and each copy's address waited until the previous copy had
-// read its operands (bench/results/h200/varlen_k_issue/).
+// read its operands (twelfth session, daa3d48; bench/results/h200/HISTORY.md).
 template <uint32_t kDstStep, int kRowStep>
 __device__ __forceinline__ void cp_async_16_zfill_rows8(uint32_t dst, const int64_t (&src)[8], int lim) {
   asm volatile(

@@ -45,19 +45,15 @@ struct SmemOperand {
 };
 
 template <int BN_, int Stages_, GMMA::Major MajorA_, GMMA::Major MajorB_, bool PingPong_ = false,
-          int ClusterM_ = 1, bool ClusterAlongN_ = false, int BM_ = 128>
+          int ClusterM_ = 1, int BM_ = 128>
 struct TileConfig {
   static constexpr bool kPingPong = PingPong_;
-  // CTAs per cluster (1 or 2). Along M (default): the pair takes adjacent M-tiles of one expert
-  // and one N-tile; each CTA loads half of the B (weight) tile and multicasts it to both, so each
-  // weight byte leaves L2 once per pair. Along N (kClusterAlongN): the pair takes one M-tile and
-  // adjacent N-tiles; each loads half of the A tile (by TMA: contiguous rows only) and multicasts
-  // it, so each activation byte leaves L2 once per pair: what short-K GEMMs (down-proj, dX~),
-  // which re-read A for every N-tile, need.
+  // CTAs per cluster (1 or 2), along M: the pair takes adjacent M-tiles of one expert and one
+  // N-tile; each CTA loads half of the B (weight) tile and multicasts it to both, so each weight
+  // byte leaves L2 once per pair. (A pair along N multicasting A was measured for the short-K
+  // store GEMMs at 6ab4848, never paid, and was removed.)
   static constexpr int kClusterM = ClusterM_;
-  static constexpr bool kClusterAlongN = ClusterAlongN_;
   static_assert(kClusterM == 1 || kClusterM == 2, "cluster: 1 or 2 CTAs");
-  static_assert(!kClusterAlongN || kClusterM == 2, "a cluster along N needs 2 CTAs");
   static constexpr int kMmaThreads = kPingPong ? 128 : 256;  // threads that share one tile
   // BM: rows of a tile, 128; or 64 in ping-pong (64 x 256 per warpgroup: one m64n256 wgmma, half
   // the gathered A bytes per FLOP of 128 x 128, the accumulator's 128 registers per thread).
@@ -100,7 +96,7 @@ struct GatherRowAddrs {
 template <>
 struct GatherRowAddrs<0> {};
 
-// An epilogue's staging buffer (epilogue.cuh, EpiSmem); none for the others.
+// An epilogue's staging buffer (epilogue/common.cuh, EpiSmem); none for the others.
 template <int kBytes>
 struct EpiBuffer {
   unsigned char bytes[kBytes];

@@ -23,10 +23,10 @@ struct WorkTile {
 // N-tiles innermost, so CTAs of one wave share the A rows of one M-tile and an expert's weight
 // tiles stay in L2 across its M-tiles. tile_start (shared memory, E+1 entries) is the exclusive
 // prefix of the M-tile counts, built once per CTA by warp 0 (E <= 512: 16 warp scans).
-template <int BM, int C = 1, bool AlongN = false>
+template <int BM, int C = 1>
 struct VarlenMScheduler {
-  // Along M a unit is C x BM rows of one N-tile; along N it is BM rows of C adjacent N-tiles.
-  static constexpr int kUnitRows = AlongN ? BM : BM * C;
+  // A unit is C x BM rows (adjacent M-tiles of one expert, a cluster's CTAs) of one N-tile.
+  static constexpr int kUnitRows = BM * C;
   const int32_t* offset;    // [E+1] global
   const int* tile_start;    // [E+1] shared: prefix of the units (C x BM rows) per expert
   int num_experts;
@@ -56,15 +56,12 @@ struct VarlenMScheduler {
     if (lane == 0) tile_start[E] = carry;
   }
 
-  // Column units: N-tiles, or pairs of N-tiles along N (the last pair may be half past N).
-  __device__ int col_units() const { return AlongN ? (n_tiles + C - 1) / C : n_tiles; }
-  __device__ int total_tiles() const { return tile_start[num_experts] * col_units(); }
+  __device__ int total_tiles() const { return tile_start[num_experts] * n_tiles; }
 
   __device__ WorkTile get(int t) const {
-    const int cu = col_units();
-    const int m_lin = t / cu;
+    const int m_lin = t / n_tiles;
     WorkTile w;
-    w.n_tile = AlongN ? (t - m_lin * cu) * C + rank : t - m_lin * cu;
+    w.n_tile = t - m_lin * n_tiles;
     // Largest e with tile_start[e] <= m_lin: empty experts before it share its start.
     int lo = 0, hi = num_experts - 1;
     while (lo < hi) {
@@ -72,15 +69,14 @@ struct VarlenMScheduler {
       if (tile_start[mid] <= m_lin) lo = mid; else hi = mid - 1;
     }
     w.expert = lo;
-    w.m_tile = AlongN ? m_lin - tile_start[lo] : (m_lin - tile_start[lo]) * C + rank;
+    w.m_tile = (m_lin - tile_start[lo]) * C + rank;
     const int begin = offset[lo], end = offset[lo + 1];
     w.row0 = begin + w.m_tile * BM;
-    // A unit's rank-1 half may lie past the expert's end (odd M-tile count) or, along N, past the
-    // last N-tile (odd N-tile count): rows = 0, the CTA still loads and multiplies (its partner
-    // needs its half of the multicast operand) but stores nothing.
+    // A unit's rank-1 half may lie past the expert's end (odd M-tile count): rows = 0, the CTA
+    // still loads and multiplies (its partner needs its half of the multicast operand) but stores
+    // nothing.
     const int left = end - w.row0;
     w.rows = left < 0 ? 0 : left < BM ? left : BM;
-    if (AlongN && w.n_tile >= n_tiles) w.rows = 0;
     return w;
   }
 };

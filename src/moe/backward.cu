@@ -3,23 +3,21 @@
 //   dA' = dO[gather] W2_e            engine varlen-M, dSwiGLU + dS epilogue: dH, A' = s*A and
 //                                    per-column-tile partial dS (deterministic)
 //   dS[t,k] = sum of the partials    fixed order
-//   dW2_e = dO[gather]_e^T A'_e      engine varlen-K, dO gathered in its loads (n <= 512) or
-//                                    gathered first into the dX~ buffer (dw_path.h says which)
-//   router: dl, dense bf16 dlogits; dW_r = dlogits^T x (cuBLAS, fp32 out -> bf16); token rounding
-//                                    recomputes the logits and adds dlogits W_r to dx by cuBLAS;
+//   dW2_e = dO[gather]_e^T A'_e      engine varlen-K, dO gathered in its loads
+//   router: dl, dense bf16 dlogits (src/routing/router_backward.cu); dW_r = dlogits^T x (cuBLAS,
+//                                    fp32 out -> bf16); token rounding recomputes the logits and
+//                                    adds dlogits W_r to dx by cuBLAS;
 //                                    provided routing has no router: dS goes to the caller's dscores
-//   dW1_e = dH_e^T x[gather]_e       engine varlen-K on x gathered first into the dX~ buffer
-//                                    (workspace, free until dX~; dw_path.h)
+//   dW1_e = dH_e^T x[gather]_e       engine varlen-K, x gathered in its loads
 //   dX~ = dH W1_e                    engine varlen-M, dH by TMA
 //   dx[t] = sum over t's entries of dX~[row] (+ dl W_r[e] for top-K, + dlogits W_r for rounding)
 #include "engine/engine.h"
-#include "gemm/grouped_gemm.h"
-#include "moe/dw_path.h"
 #include "moe/cublas_handles.h"
 #include "moe/layer_common.h"
 #include "moe/layer_kernels.h"
 #include "moe/memory_plan.h"
 #include "moe/profile.h"
+#include "routing/router_backward.h"
 #include "smoe/smoe.h"
 
 namespace smoe {
@@ -65,12 +63,12 @@ Status moe_backward(const MoEBackwardArgs& a, cudaStream_t stream) {
        {a.weights.w3, two ? w1_bytes : 0, "weights.w3"},
        {a.dout, tb.tokens, "dout"},
        {a.saved, a.saved_bytes, "saved"}}));
-  int sms = 0;
-  SMOE_RETURN_IF_ERROR(layer::sm_count(&sms));
-  const plan::BackwardWs w = plan::backward_ws(s, a.workspace, sms);
+  const plan::BackwardWs w = plan::backward_ws(s, a.workspace);
   SMOE_RETURN_IF_ERROR(layer::check_buffer(a.workspace, a.workspace_bytes, w.total, fn, "workspace",
                                            "workspace_bytes", "moe_backward_workspace_size"));
   if (a.status != nullptr) SMOE_RETURN_IF_ERROR(detail::check_ptr(a.status, fn, "status", 8));
+  int sms = 0;
+  SMOE_RETURN_IF_ERROR(layer::sm_count(&sms));
   const MoESavedView sv = moe_saved_state_view(s, const_cast<void*>(a.saved));
   const int64_t rows = moe_row_capacity(s);  // the GEMMs read the actual rows from expert_offset
   float* dS = provided ? a.dscores : w.dS;  // by entry; provided: the caller's [T][K] slots
@@ -128,37 +126,20 @@ Status moe_backward(const MoEBackwardArgs& a, cudaStream_t stream) {
                                           nnz, dS, stream, valid));
   profile::mark("dA_proj", stream);
 
-  // dW2: the engine reads dO gathered in its loads (kEngine) or from rows gathered first into the
-  // (then free) dX~ buffer (kEngineTma: both operands by TMA; kCutlass: v1's varlen-K).
-  const layer::DwPath dw2p = layer::dw2_path(s);
-  if (dw2p != layer::DwPath::kEngine)
-    SMOE_RETURN_IF_ERROR(kernels::gather_rows(a.dout, s.d, sv.gather_idx, rows, w.dXt, stream, valid));
-  if (dw2p == layer::DwPath::kCutlass) {
-    gemm::VarlenKArgs dw2;
-    dw2.num_experts = s.E;
-    dw2.M = s.d;
-    dw2.N = s.n;
-    dw2.expert_offset = expert_offset;
-    dw2.P = w.dXt;  // dO gathered
-    dw2.Q = w.a_prime;
-    dw2.D = a.dw2;
-    SMOE_RETURN_IF_ERROR(gemm::varlen_k_gemm(dw2, w.cutlass, w.cutlass_bytes, sms, stream));
-  } else {
-    const bool fused = dw2p == layer::DwPath::kEngine;
-    engine::VarlenKArgs dw2;
-    dw2.num_experts = s.E;
-    dw2.M = s.d;
-    dw2.N = s.n;
-    dw2.rows = rows;
-    dw2.expert_offset = expert_offset;
-    dw2.P = fused ? a.dout : w.dXt;
-    dw2.ld_p = s.d;
-    dw2.gather_p = fused ? sv.gather_idx : nullptr;
-    dw2.Q = w.a_prime;
-    dw2.ld_q = s.n;
-    dw2.D = a.dw2;
-    SMOE_RETURN_IF_ERROR(engine::varlen_k(dw2, sms, stream));
-  }
+  // dW2: the engine reads dO gathered in its loads.
+  engine::VarlenKArgs dw2;
+  dw2.num_experts = s.E;
+  dw2.M = s.d;
+  dw2.N = s.n;
+  dw2.rows = rows;
+  dw2.expert_offset = expert_offset;
+  dw2.P = a.dout;
+  dw2.ld_p = s.d;
+  dw2.gather_p = sv.gather_idx;
+  dw2.Q = w.a_prime;
+  dw2.ld_q = s.n;
+  dw2.D = a.dw2;
+  SMOE_RETURN_IF_ERROR(engine::varlen_k(dw2, sms, stream));
   profile::mark("dW2", stream);
 
   // x may still be arriving (MoEBackwardArgs::x_ready, expert parallelism): nothing above reads it.
@@ -168,7 +149,7 @@ Status moe_backward(const MoEBackwardArgs& a, cudaStream_t stream) {
     SMOE_RETURN_IF_ERROR(blas::prepare(stream, w.cublas, &h));
     const float one = 1.f, zero = 0.f;
     if (s.router == MoERouter::kTopKSoftmax) {
-      SMOE_RETURN_IF_ERROR(kernels::router_backward(dS, sv.scores, sv.topk_expert, s.K, s.E, s.T, w.dl,
+      SMOE_RETURN_IF_ERROR(routing::router_backward(dS, sv.scores, sv.topk_expert, s.K, s.E, s.T, w.dl,
                                                     w.dlogits, stream, valid));
     } else {
       // Token rounding: padded scores are softmax-over-E values, so every logit gets a gradient.
@@ -176,7 +157,7 @@ Status moe_backward(const MoEBackwardArgs& a, cudaStream_t stream) {
       // would be the largest saved tensor after H at small n.
       SMOE_RETURN_IF_ERROR(blas::router_logits(h, s.T, s.d, s.E, a.weights.w_router, a.x, w.logits,
                                                "moe_backward: router GEMM (token rounding recompute)"));
-      SMOE_RETURN_IF_ERROR(kernels::router_backward_tr(dS, sv.entry_expert, sv.token_offset, sv.topk_expert,
+      SMOE_RETURN_IF_ERROR(routing::router_backward_tr(dS, sv.entry_expert, sv.token_offset, sv.topk_expert,
                                                        sv.topk_score, w.logits, s.K, s.E, s.T, w.dlogits,
                                                        stream, valid));
       // dx_router [T][d] = dlogits W_r: column-major C (d x T) = (W_r as d x E) * (dlogits as E x T).
@@ -196,42 +177,23 @@ Status moe_backward(const MoEBackwardArgs& a, cudaStream_t stream) {
   }
   profile::mark("router_bwd", stream);
 
-  // dW1 = dH^T x[gather] over [E][2n][d]. With two tensors dH is in halves, so its columns [0, n)
-  // give dw1 (gate) and [n, 2n) dw3 (up): one call per half, P = dH + half * n, ld_p = 2n.
-  const layer::DwPath dw1p = layer::dw1_path(s);
-  const bool fused = dw1p == layer::DwPath::kEngine;
-  if (!fused)  // engine_tma / CUTLASS read x gathered into the (then free) dX~ buffer, once for both halves
-    SMOE_RETURN_IF_ERROR(kernels::gather_rows(a.x, s.d, sv.gather_idx, rows, w.dXt, stream, valid));
+  // dW1 = dH^T x[gather] over [E][2n][d], x gathered in the engine's loads. With two tensors dH is
+  // in halves, so its columns [0, n) give dw1 (gate) and [n, 2n) dw3 (up): one call per half,
+  // P = dH + half * n, ld_p = 2n.
   for (int half = 0; half < (two ? 2 : 1); ++half) {
-    const int m = two ? s.n : 2 * s.n;
-    const bf16* p_half = w.dH + static_cast<int64_t>(half) * s.n;
-    bf16* d_half = half == 0 ? a.dw1 : a.dw3;
-    if (dw1p == layer::DwPath::kCutlass) {
-      gemm::VarlenKArgs dw1;
-      dw1.num_experts = s.E;
-      dw1.M = m;
-      dw1.N = s.d;
-      dw1.expert_offset = expert_offset;
-      dw1.P = p_half;
-      dw1.ld_p = 2 * s.n;
-      dw1.Q = w.dXt;  // x gathered
-      dw1.D = d_half;
-      SMOE_RETURN_IF_ERROR(gemm::varlen_k_gemm(dw1, w.cutlass, w.cutlass_bytes, sms, stream));
-    } else {
-      engine::VarlenKArgs dw1;
-      dw1.num_experts = s.E;
-      dw1.M = m;
-      dw1.N = s.d;
-      dw1.rows = rows;
-      dw1.expert_offset = expert_offset;
-      dw1.P = p_half;
-      dw1.ld_p = 2 * s.n;
-      dw1.Q = fused ? a.x : w.dXt;  // x, gathered in the loads or before
-      dw1.ld_q = s.d;
-      dw1.gather_q = fused ? sv.gather_idx : nullptr;
-      dw1.D = d_half;
-      SMOE_RETURN_IF_ERROR(engine::varlen_k(dw1, sms, stream));
-    }
+    engine::VarlenKArgs dw1;
+    dw1.num_experts = s.E;
+    dw1.M = two ? s.n : 2 * s.n;
+    dw1.N = s.d;
+    dw1.rows = rows;
+    dw1.expert_offset = expert_offset;
+    dw1.P = w.dH + static_cast<int64_t>(half) * s.n;
+    dw1.ld_p = 2 * s.n;
+    dw1.Q = a.x;
+    dw1.ld_q = s.d;
+    dw1.gather_q = sv.gather_idx;
+    dw1.D = half == 0 ? a.dw1 : a.dw3;
+    SMOE_RETURN_IF_ERROR(engine::varlen_k(dw1, sms, stream));
   }
   profile::mark("dW1", stream);
 

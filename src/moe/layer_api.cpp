@@ -84,9 +84,7 @@ size_t moe_forward_workspace_size(const MoEShape& s) {
 }
 size_t moe_backward_workspace_size(const MoEShape& s) {
   if (!moe_can_implement(s).ok()) return 0;
-  int sms = 0;
-  if (!layer::sm_count(&sms).ok()) return 0;  // no device to size the CUTLASS workspace for
-  return plan::backward_ws(s, nullptr, sms).total;
+  return plan::backward_ws(s, nullptr).total;
 }
 
 }  // namespace smoe

@@ -31,9 +31,6 @@ struct FillSpan {
 constexpr int kMaxFillSpans = 5;
 Status nan_fill_if_invalid(const int32_t* valid, std::initializer_list<FillSpan> spans, cudaStream_t stream);
 
-// dst[r] = src[idx[r]] for r < rows; rows of d bf16 (d % 8 == 0). Only the CUTLASS dW path uses it.
-Status gather_rows(const bf16* src, int d, const int32_t* idx, int64_t rows, bf16* dst, cudaStream_t stream,
-                   const int32_t* valid = nullptr);
 // Entries of token t are [token_offset[t], token_offset[t+1]); an entry with rev < 0 is an empty
 // slot (provided routing) and adds nothing.
 // out[t] = sum over entries j of t: scores[j] * Y[rev[j]] (fp32 accumulate, entry order).
@@ -43,16 +40,6 @@ Status aggregate(const bf16* Y, const float* scores, const int32_t* rev, const i
 // are unused: their entry (if scatter[r] >= 0, an empty slot) gets dS = 0. partial is [rows][tiles].
 Status ds_rowsum(const float* partial, int tiles, const int32_t* scatter, int64_t rows, const int32_t* nnz,
                  float* dS, cudaStream_t stream, const int32_t* valid = nullptr);
-// Top-K softmax router: dl[t,k] = s_k (dS_k - sum_j s_j dS_j); dlogits_dense [T][E] bf16 (zeros + the K values).
-Status router_backward(const float* dS, const float* scores, const int32_t* topk, int K, int E,
-                       int64_t T, float* dl, bf16* dlogits_dense, cudaStream_t stream,
-                       const int32_t* valid = nullptr);
-// Token-rounding router (see ref::token_rounding_router_backward_ref): every element of
-// dlogits_dense [T][E] bf16 from the entries' dS, the top-K choice and the recomputed fp32 logits.
-Status router_backward_tr(const float* dS, const int32_t* entry_expert, const int32_t* token_offset,
-                          const int32_t* topk, const float* topk_score, const float* logits, int K,
-                          int E, int64_t T, bf16* dlogits_dense, cudaStream_t stream,
-                          const int32_t* valid = nullptr);
 // dx[t] = sum over entries j of t: dXt[rev[j]] (+ dl[j] * w_router[entry_expert[j]] when dl is not
 // null) (+ dx_router[t] fp32 [T][d] when not null), fp32 in entry order.
 Status dx_sum(const bf16* dXt, const int32_t* rev, const int32_t* token_offset, const float* dl,

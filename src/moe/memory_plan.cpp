@@ -3,7 +3,6 @@
 
 #include "common/workspace.h"
 #include "engine/engine.h"
-#include "gemm/grouped_gemm.h"
 
 namespace smoe {
 namespace plan {
@@ -84,7 +83,7 @@ ForwardWs forward_ws(const MoEShape& s, void* base) {
   return w;
 }
 
-BackwardWs backward_ws(const MoEShape& s, void* base, int sm_count) {
+BackwardWs backward_ws(const MoEShape& s, void* base) {
   const size_t rows = row_capacity(s);
   const size_t tk = static_cast<size_t>(s.T) * s.K;
   const size_t te = static_cast<size_t>(s.T) * s.E;
@@ -107,8 +106,6 @@ BackwardWs backward_ws(const MoEShape& s, void* base, int sm_count) {
   }
   w.valid = c.take<int32_t>(1);
   w.expert_offset = c.take<int32_t>(static_cast<size_t>(s.E) + 1);
-  w.cutlass_bytes = gemm::varlen_k_workspace_size(s.E, sm_count);
-  w.cutlass = c.take<char>(w.cutlass_bytes);
   w.total = c.used();
   return w;
 }

@@ -55,7 +55,7 @@ struct BackwardWs {
   void* cublas;       // null without a router
   bf16* a_prime;      // A' = s * A [R][n]
   bf16* dH;           // [R][2n]
-  bf16* dXt;          // dX~ [R][d]; before dX~, the gathered dO / x of the CUTLASS dW path
+  bf16* dXt;          // dX~ [R][d]
   float* ds_partial;  // [R][engine::ds_partial_tiles(n)]
   float* dS;          // [R] by entry; null for kProvided (the caller's dscores takes it)
   float* dl;          // [TK] top-K router only
@@ -65,11 +65,10 @@ struct BackwardWs {
   float* dx_router;   // [T][d] token rounding: dlogits W_r (dense: padded scores touch every logit)
   int32_t* valid;          // 1 when the saved stamp matched (check_saved), else 0
   int32_t* expert_offset;  // [E+1] the saved expert_offset, or zeros when the stamp did not match
-  void* cutlass;      // the CUTLASS varlen-K workspace (dW path, see dw_path.h)
-  size_t cutlass_bytes;
   size_t total;
 };
-BackwardWs backward_ws(const MoEShape& s, void* base, int sm_count);
+// Host arithmetic on the shape only (no device query): moe_backward_workspace_size is w.total.
+BackwardWs backward_ws(const MoEShape& s, void* base);
 
 }  // namespace plan
 }  // namespace smoe

@@ -1,4 +1,4 @@
-// float64 CPU reference: routing (top-K softmax, metadata, router backward), SwiGLU, helpers.
+// float64 CPU reference: routing (top-K softmax, metadata), SwiGLU, helpers.
 // Written for clarity, not speed. See include/smoe/reference.h for the spec.
 #include "smoe/reference.h"
 #include "ref_require.h"
@@ -107,24 +107,6 @@ RoutingMetadata routing_metadata_ref(const GeneralRouting& r) {
     m.gather_idx[row] = entry_token[j];
   }
   return m;
-}
-
-std::vector<double> router_backward_ref(const TopKRouting& r, const std::vector<double>& dS) {
-  require(static_cast<int64_t>(dS.size()) == r.T * r.K, "router_backward_ref: dS size != T*K");
-  std::vector<double> dlogits(static_cast<size_t>(r.T * r.E), 0.0);
-  // dS_k - sum_j s_j dS_j = sum_{j != k} s_j (dS_k - dS_j)   (because sum_j s_j = 1).
-  // The right-hand side has no cancellation when one score saturates at ~1 (a "hot" expert),
-  // where the left-hand side loses every significant digit.
-  for (int64_t t = 0; t < r.T; ++t) {
-    for (int k = 0; k < r.K; ++k) {
-      const int64_t i = t * r.K + k;
-      double acc = 0.0;
-      for (int j = 0; j < r.K; ++j)
-        if (j != k) acc += r.score[t * r.K + j] * (dS[i] - dS[t * r.K + j]);
-      dlogits[t * r.E + r.expert[i]] = r.score[i] * acc;
-    }
-  }
-  return dlogits;
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -121,47 +121,5 @@ GeneralRouting token_rounding_ref(const std::vector<double>& logits, int64_t T, 
   return g;
 }
 
-std::vector<double> token_rounding_router_backward_ref(const std::vector<double>& logits,
-                                                       const TopKRouting& topk,
-                                                       const GeneralRouting& tr,
-                                                       const std::vector<double>& dS) {
-  const int64_t T = topk.T;
-  const int E = topk.E, K = topk.K;
-  require(tr.T == T && tr.E == E, "token_rounding_router_backward_ref: routings disagree on T or E");
-  require(static_cast<int64_t>(dS.size()) == tr.nnz(), "token_rounding_router_backward_ref: dS size != nnz");
-  require(static_cast<int64_t>(logits.size()) == T * E, "token_rounding_router_backward_ref: logits size");
-  std::vector<double> dlogits(static_cast<size_t>(T * E), 0.0);
-  std::vector<double> S(static_cast<size_t>(E)), ds_top(static_cast<size_t>(K));
-  for (int64_t t = 0; t < T; ++t) {
-    const double* row = logits.data() + t * E;
-    double mx = row[0], sum = 0.0;
-    for (int e = 1; e < E; ++e) mx = std::max(mx, row[e]);
-    for (int e = 0; e < E; ++e) sum += std::exp(row[e] - mx);
-    for (int e = 0; e < E; ++e) S[e] = std::exp(row[e] - mx) / sum;
-    std::fill(ds_top.begin(), ds_top.end(), 0.0);
-    double* dl = dlogits.data() + t * E;
-    for (int64_t j = tr.token_offset[t]; j < tr.token_offset[t + 1]; ++j) {
-      const int e = tr.expert[j];
-      int k = 0;
-      while (k < K && topk.expert[t * K + k] != e) ++k;
-      if (k < K) {
-        ds_top[k] = dS[j];  // a kept chosen entry: through the top-K softmax below
-      } else {
-        const double g = dS[j] * S[e];  // a padded entry: d S_e / d l_j = S_e (delta_ej - S_j)
-        dl[e] += g;
-        for (int i = 0; i < E; ++i) dl[i] -= g * S[i];
-      }
-    }
-    // The top-K softmax part, in the cancellation-free form of router_backward_ref.
-    for (int k = 0; k < K; ++k) {
-      double acc = 0.0;
-      for (int j = 0; j < K; ++j)
-        if (j != k) acc += topk.score[t * K + j] * (ds_top[k] - ds_top[j]);
-      dl[topk.expert[t * K + k]] += topk.score[t * K + k] * acc;
-    }
-  }
-  return dlogits;
-}
-
 }  // namespace ref
 }  // namespace smoe

@@ -195,7 +195,7 @@ smoe::MoEBackwardArgs good_backward(const smoe::MoEShape& s) {
   a.dw1 = fake<smoe::bf16>(11 * kSlot);
   a.dw2 = fake<smoe::bf16>(12 * kSlot);
   a.workspace = fake<void>(7 * kSlot);
-  a.workspace_bytes = 1 << 30;
+  a.workspace_bytes = smoe::moe_backward_workspace_size(s);  // host arithmetic: no device needed
   return a;
 }
 }  // namespace
@@ -262,6 +262,7 @@ TEST(LayerValidation, BackwardArgumentsRejectedBeforeAnyCudaCall) {
       {"dx (1024000 bytes) overlaps dout", [](smoe::MoEBackwardArgs* a) { a->dx = const_cast<smoe::bf16*>(a->dout); }, C::kInvalidArgument},
       {"dw_router", [](smoe::MoEBackwardArgs* a) { a->dw_router = a->dw2 + 64; }, C::kInvalidArgument},
       {"workspace", [](smoe::MoEBackwardArgs* a) { a->workspace = const_cast<void*>(a->saved); }, C::kInvalidArgument},
+      {"workspace_bytes", [](smoe::MoEBackwardArgs* a) { a->workspace_bytes -= 1; }, C::kWorkspaceTooSmall},
       {"dx (1024000 bytes) overlaps x", [](smoe::MoEBackwardArgs* a) { a->dx = fake<smoe::bf16>(1 * kSlot + 1024000 - 16); }, C::kInvalidArgument},
       // Gate/up as two tensors: dw3 exactly with w3; dw1 / dw3 / w3 each [E][n][d] = 4 MiB.
       {"dw3 must be null", [](smoe::MoEBackwardArgs* a) { a->dw3 = fake<smoe::bf16>(14 * kSlot); }, C::kInvalidArgument},
@@ -278,6 +279,32 @@ TEST(LayerValidation, BackwardArgumentsRejectedBeforeAnyCudaCall) {
     c.mutate(&a);
     expect_error(smoe::moe_backward(a, nullptr), c.code, c.name);
   }
+}
+
+// The backward workspace size is host arithmetic on the shape (no device query: the same bytes on
+// this GPU-less machine as on an H200), here derived by hand region by region, each rounded up to
+// 256 bytes (memory_plan.cpp, backward_ws). T = 1000, d = 512, n = 256, E = 16, K = 4: R = T*K = 4000.
+TEST(LayerSizes, BackwardWorkspaceIsHostArithmetic) {
+  const smoe::MoEShape s{1000, 512, 256, 16, 4};
+  auto up = [](size_t b) { return (b + 255) / 256 * 256; };
+  const size_t R = 4000;
+  const size_t rows_part = up(R * 256 * 2)        // A' [R][n] bf16          2048000
+                           + up(R * 512 * 2)      // dH [R][2n] bf16         4096000
+                           + up(R * 512 * 2)      // dX~ [R][d] bf16         4096000
+                           + up(R * 2 * 4)        // dS partials [R][n/128]    32000
+                           + up(4) + up(17 * 4);  // valid flag, expert_offset [E+1]: 256 + 256
+  const size_t router_part = (size_t{32} << 20)     // cuBLAS workspace     33554432
+                             + up(R * 4)            // dS [R] fp32             16128
+                             + up(1000 * 16 * 2)    // dlogits [T][E] bf16     32000
+                             + up(16 * 512 * 4)     // dW_r [E][d] fp32        32768
+                             + up(4000 * 4);        // dl [T*K] fp32 (top-K)   16128
+  EXPECT_EQ(rows_part, 10272512u);
+  EXPECT_EQ(router_part, 33651456u);
+  EXPECT_GT(smoe::moe_backward_workspace_size(s), 0u);
+  EXPECT_EQ(smoe::moe_backward_workspace_size(s), rows_part + router_part);  // 43923968
+  smoe::MoEShape provided = s;
+  provided.router = smoe::MoERouter::kProvided;  // no router: no cuBLAS, dS, dlogits, dW_r, dl
+  EXPECT_EQ(smoe::moe_backward_workspace_size(provided), rows_part);
 }
 
 // Routing modes of the layer: their own rules, checked before any CUDA call like the rest.

@@ -1,13 +1,16 @@
 // The engine's host side without a GPU: every argument rule is checked before any CUDA call (so
-// these run on CI's CPU machine), the tile heuristic, and the layer's weight-gradient path choice.
+// these run on CI's CPU machine), the tile heuristic (a pure function of the arguments, the device
+// and the overrides), the overrides' parsing and the built instance list.
 #include <cstdint>
 #include <cstdlib>
 #include <string>
 
 #include <gtest/gtest.h>
 
+#include "engine/config.h"
 #include "engine/engine.h"
-#include "moe/dw_path.h"
+#include "engine/heuristic.h"
+#include "engine/overrides.h"
 
 namespace eng = smoe::engine;
 
@@ -32,6 +35,54 @@ eng::VarlenMArgs good_m() {
   a.D = fake<smoe::bf16>(0x40000);
   return a;
 }
+
+using eng::Kind;
+using eng::Sched;
+
+// A label as the instance files spell it ("down_store_pps2_c2<192>") parsed into the typed config
+// the heuristic returns, so the expectations below read like the instance list.
+eng::EngineConfig cfg(const std::string& label) {
+  static const std::pair<const char*, Kind> kinds[] = {
+      {"dw_gather_p_t", Kind::dw_gather_p_t}, {"dw_gather_p", Kind::dw_gather_p}, {"dw_tma", Kind::dw_tma},
+      {"up_swiglu", Kind::up_swiglu},         {"down_store", Kind::down_store},   {"dx_store", Kind::dx_store},
+      {"da_dswiglu", Kind::da_dswiglu}};
+  eng::EngineConfig c;
+  std::string rest;
+  for (const auto& [name, kind] : kinds)
+    if (label.rfind(name, 0) == 0) {
+      c.kind = kind;
+      rest = label.substr(std::string(name).size());
+      break;
+    }
+  const auto lt = rest.find('<');
+  c.bn = std::stoi(rest.substr(lt + 1));
+  rest = rest.substr(0, lt);
+  if (rest.size() >= 3 && rest.compare(rest.size() - 3, 3, "_c2") == 0) {
+    c.cluster = 2;
+    rest = rest.substr(0, rest.size() - 3);
+  }
+  c.sched = rest == "_pp"     ? Sched::kPingPong
+            : rest == "_pps"  ? Sched::kPingPongStaged
+            : rest == "_pps2" ? Sched::kPingPongStaged2
+            : rest == "_pp64" ? Sched::kPingPong64
+                              : Sched::kCoop;
+  EXPECT_EQ(eng::to_string(c), label) << "the test's label does not parse";
+  EXPECT_TRUE(eng::is_built(c)) << label << " is not in the instance list";
+  return c;
+}
+
+eng::Overrides o;  // the overrides the heuristic is asked with (TileHeuristic sets its fields)
+
+std::string chosen_m(const eng::VarlenMArgs& a) {
+  const auto c = eng::choose_varlen_m(a, eng::DeviceFacts{132}, o);
+  return c ? eng::to_string(*c) : "(none)";
+}
+std::string chosen_k(const eng::VarlenKArgs& a) {
+  const auto c = eng::choose_varlen_k(a, eng::DeviceFacts{132}, o);
+  return c ? eng::to_string(*c) : "(none)";
+}
+eng::EngineConfig choice_m(const eng::VarlenMArgs& a) { return eng::choose_varlen_m(a, eng::DeviceFacts{132}, o).value(); }
+eng::EngineConfig choice_k(const eng::VarlenKArgs& a) { return eng::choose_varlen_k(a, eng::DeviceFacts{132}, o).value(); }
 
 void expect_rejected(const smoe::Status& s, const std::string& needle) {
   EXPECT_EQ(s.code, smoe::StatusCode::kInvalidArgument) << s.message;
@@ -109,167 +160,228 @@ TEST(EngineApi, VarlenKRules) {
 }
 
 TEST(EngineApi, TileHeuristic) {
-  unsetenv("SMOE_ENGINE_SCHED");
-  unsetenv("SMOE_ENGINE_BN_M");
-  unsetenv("SMOE_ENGINE_STAGED_STORE");
+  o = eng::Overrides{};
   auto a = good_m();
   // Long-K store: cooperative, wide tiles when they fill the machine.
   a.K = 4096;
   a.N = 512;
   a.rows = 200000;  // 1562 x 2 wide tiles: > 2 waves of 132 SMs
-  EXPECT_STREQ(eng::choose_varlen_m(a, 132).name, "down_store<256>");
-  EXPECT_FALSE(eng::choose_varlen_m(a, 132).pingpong);
+  EXPECT_TRUE(choice_m(a) == cfg("down_store<256>")) << chosen_m(a);
+  EXPECT_FALSE(choice_m(a).pingpong());
   a.rows = 4000;  // 31 x 2 wide tiles: too few, narrow tiles balance better
-  EXPECT_EQ(eng::choose_varlen_m(a, 132).bn, 128);
+  EXPECT_EQ(choice_m(a).bn, 128);
   a.rows = 200000;
   a.N = 640;  // not a multiple of 256
-  EXPECT_EQ(eng::choose_varlen_m(a, 132).bn, 128);
+  EXPECT_EQ(choice_m(a).bn, 128);
   // Short-K store (down-proj over n, dX~ over 2n): ping-pong, 128 x 192 per warpgroup unless
   // the last column tile is mostly padding.
   a.N = 4096;  // 21 1/3 tiles of 192: 3% padding
   a.K = eng::kPingPongMaxK;
-  EXPECT_STREQ(eng::choose_varlen_m(a, 132).name, "down_store_pp<192>");
+  EXPECT_TRUE(choice_m(a) == cfg("down_store_pp<192>")) << chosen_m(a);
   a.b_major = eng::WeightMajor::kKN;
-  EXPECT_STREQ(eng::choose_varlen_m(a, 132).name, "dx_store_pp<192>");
+  EXPECT_TRUE(choice_m(a) == cfg("dx_store_pp<192>")) << chosen_m(a);
   a.N = 448;  // 2 1/3 tiles of 192: 29% padding
-  EXPECT_STREQ(eng::choose_varlen_m(a, 132).name, "dx_store_pp<128>");
+  EXPECT_TRUE(choice_m(a) == cfg("dx_store_pp<128>")) << chosen_m(a);
   // Up to kStagedStoreMaxK, the ping-pong stores stage their tile for TMA stores (_pps).
   a.K = eng::kStagedStoreMaxK;
-  EXPECT_STREQ(eng::choose_varlen_m(a, 132).name, "dx_store_pps<128>");
+  EXPECT_TRUE(choice_m(a) == cfg("dx_store_pps<128>")) << chosen_m(a);
   a.N = 4096;
   a.b_major = eng::WeightMajor::kNK;
   a.K = eng::kStagedStore2MaxK + 64;
-  EXPECT_STREQ(eng::choose_varlen_m(a, 132).name, "down_store_pps<192>");
+  EXPECT_TRUE(choice_m(a) == cfg("down_store_pps<192>")) << chosen_m(a);
   // Up to kStagedStore2MaxK, in a 64-row buffer per warpgroup (_pps2).
   a.K = eng::kStagedStore2MaxK;
-  EXPECT_STREQ(eng::choose_varlen_m(a, 132).name, "down_store_pps2<192>");
+  EXPECT_TRUE(choice_m(a) == cfg("down_store_pps2<192>")) << chosen_m(a);
   a.b_major = eng::WeightMajor::kKN;
   a.N = 448;
-  EXPECT_STREQ(eng::choose_varlen_m(a, 132).name, "dx_store_pps2<128>");
+  EXPECT_TRUE(choice_m(a) == cfg("dx_store_pps2<128>")) << chosen_m(a);
   a.b_major = eng::WeightMajor::kNK;
   a.N = 4096;
-  setenv("SMOE_ENGINE_STAGED_STORE", "0", 1);
-  EXPECT_STREQ(eng::choose_varlen_m(a, 132).name, "down_store_pp<192>");
-  setenv("SMOE_ENGINE_STAGED_STORE", "1", 1);
-  EXPECT_STREQ(eng::choose_varlen_m(a, 132).name, "down_store_pps<192>");
-  setenv("SMOE_ENGINE_STAGED_STORE", "2", 1);
+  o.staged_store = 0;
+  EXPECT_TRUE(choice_m(a) == cfg("down_store_pp<192>")) << chosen_m(a);
+  o.staged_store = 1;
+  EXPECT_TRUE(choice_m(a) == cfg("down_store_pps<192>")) << chosen_m(a);
+  o.staged_store = 2;
   a.K = eng::kPingPongMaxK;
-  EXPECT_STREQ(eng::choose_varlen_m(a, 132).name, "down_store_pps2<192>");
-  setenv("SMOE_ENGINE_STAGED_STORE", "1", 1);
-  EXPECT_STREQ(eng::choose_varlen_m(a, 132).name, "down_store_pps<192>");
-  unsetenv("SMOE_ENGINE_STAGED_STORE");
+  EXPECT_TRUE(choice_m(a) == cfg("down_store_pps2<192>")) << chosen_m(a);
+  o.staged_store = 1;
+  EXPECT_TRUE(choice_m(a) == cfg("down_store_pps<192>")) << chosen_m(a);
+  o.staged_store = -1;
   a.K = eng::kStagedStoreMaxK + 64;
-  EXPECT_STREQ(eng::choose_varlen_m(a, 132).name, "down_store_pp<192>");
+  EXPECT_TRUE(choice_m(a) == cfg("down_store_pp<192>")) << chosen_m(a);
   a.b_major = eng::WeightMajor::kKN;
   // dSwiGLU: ping-pong at any K; SwiGLU like the stores.
   a.N = 512;
   a.K = 4096;
   a.epilogue = eng::Epilogue::kDSwiGLU;
-  EXPECT_STREQ(eng::choose_varlen_m(a, 132).name, "da_dswiglu_pp64_c2<256>");  // N % 256 == 0, N >= 512, K >= 2048
+  EXPECT_TRUE(choice_m(a) == cfg("da_dswiglu_pp64_c2<256>")) << chosen_m(a);  // N % 256 == 0, N >= 512, K >= 2048
   a.N = 256;
-  EXPECT_STREQ(eng::choose_varlen_m(a, 132).name, "da_dswiglu_pp<128>");
+  EXPECT_TRUE(choice_m(a) == cfg("da_dswiglu_pp<128>")) << chosen_m(a);
   a.N = 512;
   a.K = 1536;  // dA' at d < 2048: 128 x 128
-  EXPECT_STREQ(eng::choose_varlen_m(a, 132).name, "da_dswiglu_pp<128>");
+  EXPECT_TRUE(choice_m(a) == cfg("da_dswiglu_pp<128>")) << chosen_m(a);
   a.K = 4096;
   a.b_major = eng::WeightMajor::kNK;
   a.epilogue = eng::Epilogue::kSwiGLU;
   // SwiGLU with N % 256 == 0, N >= 512 and weights inside half the L2: ping-pong 64 x 256 pairs
   // at any K.
-  EXPECT_STREQ(eng::choose_varlen_m(a, 132).name, "up_swiglu_pp64_c2<256>");
-  EXPECT_EQ(eng::choose_varlen_m(a, 132).bm, 64);
-  EXPECT_EQ(eng::choose_varlen_m(a, 132).cluster, 2);
+  EXPECT_TRUE(choice_m(a) == cfg("up_swiglu_pp64_c2<256>")) << chosen_m(a);
+  EXPECT_EQ(choice_m(a).bm(), 64);
+  EXPECT_EQ(choice_m(a).cluster, 2);
   a.K = 2048;
-  EXPECT_STREQ(eng::choose_varlen_m(a, 132).name, "up_swiglu_pp64_c2<256>");
+  EXPECT_TRUE(choice_m(a) == cfg("up_swiglu_pp64_c2<256>")) << chosen_m(a);
   a.N = 256;  // one column tile: the 128-row rule (ping-pong 128 x 128 up to kPingPongMaxK)
-  EXPECT_STREQ(eng::choose_varlen_m(a, 132).name, "up_swiglu_pp<128>");
-  EXPECT_EQ(eng::choose_varlen_m(a, 132).bm, 128);
+  EXPECT_TRUE(choice_m(a) == cfg("up_swiglu_pp<128>")) << chosen_m(a);
+  EXPECT_EQ(choice_m(a).bm(), 128);
   a.N = 512;
   a.K = 4096;
-  setenv("SMOE_ENGINE_CLUSTER", "1", 1);  // no unpaired 64 x 256 twin: the 128-row rule
-  EXPECT_STREQ(eng::choose_varlen_m(a, 132).name, "up_swiglu<256>");
-  unsetenv("SMOE_ENGINE_CLUSTER");
-  setenv("SMOE_ENGINE_SCHED", "pingpong", 1);  // a forced schedule overrides the 64 x 256 rule
-  EXPECT_STREQ(eng::choose_varlen_m(a, 132).name, "up_swiglu_pp<128>");
-  unsetenv("SMOE_ENGINE_SCHED");
+  o.cluster_m = 1;  // no unpaired 64 x 256 twin: the 128-row rule
+  EXPECT_TRUE(choice_m(a) == cfg("up_swiglu<256>")) << chosen_m(a);
+  o.cluster_m = 0;
+  o.sched = eng::ForcedSched::kPingPong;  // a forced schedule overrides the 64 x 256 rule
+  EXPECT_TRUE(choice_m(a) == cfg("up_swiglu_pp<128>")) << chosen_m(a);
+  o.sched = eng::ForcedSched::kNone;
   a.K = 2048;
   // Cluster of 2 (B multicast) for experts whose weights outgrow half the L2, given enough rows.
   a.num_experts = 256;
   a.rows = 262144;  // 1024 rows per expert
   a.N = 4096;
   a.K = 7168;       // 56 MiB of weights per expert
-  EXPECT_STREQ(eng::choose_varlen_m(a, 132).name, "up_swiglu_c2<256>");
+  EXPECT_TRUE(choice_m(a) == cfg("up_swiglu_c2<256>")) << chosen_m(a);
   a.epilogue = eng::Epilogue::kStore;
   a.N = 7168;
   a.K = 2048;       // 28 MiB
-  EXPECT_STREQ(eng::choose_varlen_m(a, 132).name, "down_store_pp_c2<192>");
+  EXPECT_TRUE(choice_m(a) == cfg("down_store_pp_c2<192>")) << chosen_m(a);
   a.K = 1536;       // 21 MiB: no cluster
-  EXPECT_STREQ(eng::choose_varlen_m(a, 132).name, "down_store_pp<192>");
+  EXPECT_TRUE(choice_m(a) == cfg("down_store_pp<192>")) << chosen_m(a);
   a.K = 2048;
   a.rows = 256 * 300;  // 300 rows per expert: pairs of M-tiles would be half idle
-  EXPECT_STREQ(eng::choose_varlen_m(a, 132).name, "down_store_pp<192>");
+  EXPECT_TRUE(choice_m(a) == cfg("down_store_pp<192>")) << chosen_m(a);
   a.num_experts = 8;
   a.rows = 200000;
   a.N = 512;
   a.K = 4096;
   a.epilogue = eng::Epilogue::kSwiGLU;
-  // The switches force an instantiation that exists, and are ignored where none does.
-  setenv("SMOE_ENGINE_SCHED", "coop", 1);
-  setenv("SMOE_ENGINE_BN_M", "256", 1);
-  EXPECT_STREQ(eng::choose_varlen_m(a, 132).name, "up_swiglu<256>");
-  setenv("SMOE_ENGINE_SCHED", "pingpong", 1);
-  setenv("SMOE_ENGINE_BN_M", "192", 1);
-  EXPECT_STREQ(eng::choose_varlen_m(a, 132).name, "up_swiglu_pp<128>");  // no SwiGLU 192
+  // The overrides force an instantiation that exists, and are ignored where none does.
+  o.sched = eng::ForcedSched::kCoop;
+  o.bn_m = 256;
+  EXPECT_TRUE(choice_m(a) == cfg("up_swiglu<256>")) << chosen_m(a);
+  o.sched = eng::ForcedSched::kPingPong;
+  o.bn_m = 192;
+  EXPECT_TRUE(choice_m(a) == cfg("up_swiglu_pp<128>")) << chosen_m(a);  // no SwiGLU 192
   a.epilogue = eng::Epilogue::kStore;
-  EXPECT_STREQ(eng::choose_varlen_m(a, 132).name, "down_store_pp<192>");
-  unsetenv("SMOE_ENGINE_SCHED");
-  unsetenv("SMOE_ENGINE_BN_M");
+  EXPECT_TRUE(choice_m(a) == cfg("down_store_pp<192>")) << chosen_m(a);
+  o.sched = eng::ForcedSched::kNone;
+  o.bn_m = 0;
   // Q-gathered varlen-K runs transposed: the choice is made on the transposed shape.
   eng::VarlenKArgs k;
   k.num_experts = 64;
   k.M = 2048;
   k.N = 2048;
   k.gather_q = fake<const int32_t>(0x60000);
-  EXPECT_STREQ(eng::choose_varlen_k(k, 132).name, "dw_gather_p_t_c2<256>");  // 16 M-tiles: pairs
+  EXPECT_TRUE(choice_k(k) == cfg("dw_gather_p_t_c2<256>")) << chosen_k(k);  // 16 M-tiles: pairs
   k.gather_q = nullptr;
   k.gather_p = fake<const int32_t>(0x60000);
-  EXPECT_STREQ(eng::choose_varlen_k(k, 132).name, "dw_gather_p_c2<256>");
+  EXPECT_TRUE(choice_k(k) == cfg("dw_gather_p_c2<256>")) << chosen_k(k);
   k.gather_p = nullptr;
-  EXPECT_STREQ(eng::choose_varlen_k(k, 132).name, "dw_tma_c2<256>");
+  EXPECT_TRUE(choice_k(k) == cfg("dw_tma_c2<256>")) << chosen_k(k);
   k.M = 1920;  // 15 M-tiles: no pairs
-  EXPECT_STREQ(eng::choose_varlen_k(k, 132).name, "dw_tma<256>");
+  EXPECT_TRUE(choice_k(k) == cfg("dw_tma<256>")) << chosen_k(k);
   k.M = 2048;
-  setenv("SMOE_ENGINE_CLUSTER_K", "1", 1);
-  EXPECT_STREQ(eng::choose_varlen_k(k, 132).name, "dw_tma<256>");
-  setenv("SMOE_ENGINE_CLUSTER_K", "2", 1);
-  setenv("SMOE_ENGINE_BN_K", "128", 1);  // pairs are built at BN = 256 only: the switch is ignored
-  EXPECT_STREQ(eng::choose_varlen_k(k, 132).name, "dw_tma<128>");
-  unsetenv("SMOE_ENGINE_BN_K");
-  unsetenv("SMOE_ENGINE_CLUSTER_K");
+  o.cluster_k = 1;
+  EXPECT_TRUE(choice_k(k) == cfg("dw_tma<256>")) << chosen_k(k);
+  o.cluster_k = 2;
+  o.bn_k = 128;  // pairs are built at BN = 256 only: the override is ignored
+  EXPECT_TRUE(choice_k(k) == cfg("dw_tma<128>")) << chosen_k(k);
+  o.bn_k = 0;
+  o.cluster_k = 0;
 }
 
-TEST(EngineApi, WeightGradientPath) {
-  unsetenv("SMOE_DW_PATH");
-  using smoe::layer::DwPath;
-  smoe::MoEShape small{40960, 768, 256, 128, 8}, wide{16384, 4096, 4096, 8, 2};
-  // Both gradients always take the fused gather (dW2 since daa3d48, dW1 since the TMA-store epilogue; dw_path.h).
-  using smoe::layer::dw1_path;
-  using smoe::layer::dw2_path;
-  for (const smoe::MoEShape& s : {small, wide, smoe::MoEShape{32768, 7168, 2048, 256, 8},
-                                  smoe::MoEShape{12345, 2560, 1408, 64, 8}, smoe::MoEShape{32768, 2048, 512, 512, 10},
-                                  smoe::MoEShape{16384, 1024, 128, 512, 8}, smoe::MoEShape{32768, 4096, 1536, 128, 8},
-                                  smoe::MoEShape{8192, 2048, 8192, 4, 1}}) {
-    EXPECT_EQ(dw2_path(s), DwPath::kEngine);
-    EXPECT_EQ(dw1_path(s), DwPath::kEngine);
-  }
-  setenv("SMOE_DW_PATH", "engine", 1);
-  EXPECT_EQ(smoe::layer::dw1_path(wide), DwPath::kEngine);
-  setenv("SMOE_DW_PATH", "cutlass", 1);
-  EXPECT_EQ(smoe::layer::dw2_path(small), DwPath::kCutlass);
-  setenv("SMOE_DW_PATH", "engine_tma", 1);
-  EXPECT_EQ(smoe::layer::dw1_path(small), DwPath::kEngineTma);
-  EXPECT_EQ(smoe::layer::dw2_path(wide), DwPath::kEngineTma);
-  setenv("SMOE_DW_PATH", "bogus", 1);  // not a path: the rule decides
-  EXPECT_EQ(smoe::layer::dw2_path(small), DwPath::kEngine);
-  unsetenv("SMOE_DW_PATH");
+
+// The switches are parsed once into a typed struct; unknown values leave the default.
+TEST(EngineApi, OverridesParse) {
+  const eng::Overrides none = eng::parse_overrides([](const char*) -> const char* { return nullptr; });
+  EXPECT_EQ(none.sched, eng::ForcedSched::kNone);
+  EXPECT_EQ(none.bn_m, 0);
+  EXPECT_EQ(none.bn_k, 0);
+  EXPECT_EQ(none.cluster_m, 0);
+  EXPECT_EQ(none.cluster_k, 0);
+  EXPECT_EQ(none.pingpong_max_k, -1);
+  EXPECT_EQ(none.staged_store, -1);
+  EXPECT_TRUE(none.store_streaming);
+  EXPECT_FALSE(none.print);
+  const eng::Overrides all = eng::parse_overrides([](const char* k) -> const char* {
+    const std::string n = k;
+    if (n == "SMOE_ENGINE_SCHED") return "pingpong64";
+    if (n == "SMOE_ENGINE_BN_M") return "192";
+    if (n == "SMOE_ENGINE_BN_K") return "256";
+    if (n == "SMOE_ENGINE_CLUSTER") return "2";
+    if (n == "SMOE_ENGINE_CLUSTER_K") return "1";
+    if (n == "SMOE_ENGINE_PP_MAX_K") return "0";
+    if (n == "SMOE_ENGINE_STAGED_STORE") return "2";
+    if (n == "SMOE_ENGINE_STORE_CS") return "0";
+    if (n == "SMOE_ENGINE_PRINT") return "1";
+    return nullptr;
+  });
+  EXPECT_EQ(all.sched, eng::ForcedSched::kPingPong64);
+  EXPECT_EQ(all.bn_m, 192);
+  EXPECT_EQ(all.bn_k, 256);
+  EXPECT_EQ(all.cluster_m, 2);
+  EXPECT_EQ(all.cluster_k, 1);
+  EXPECT_EQ(all.pingpong_max_k, 0);
+  EXPECT_EQ(all.staged_store, 2);
+  EXPECT_FALSE(all.store_streaming);
+  EXPECT_TRUE(all.print);
+  const eng::Overrides bad = eng::parse_overrides([](const char* k) -> const char* {
+    const std::string n = k;
+    if (n == "SMOE_ENGINE_SCHED") return "fast";
+    if (n == "SMOE_ENGINE_BN_M") return "100";
+    if (n == "SMOE_ENGINE_CLUSTER") return "n2";  // the pair along N was removed
+    if (n == "SMOE_ENGINE_PRINT") return "0";
+    return nullptr;
+  });
+  EXPECT_EQ(bad.sched, eng::ForcedSched::kNone);
+  EXPECT_EQ(bad.bn_m, 0);
+  EXPECT_EQ(bad.cluster_m, 0);
+  EXPECT_FALSE(bad.print);
+  // SMOE_ENGINE_PP_MAX_K = 0 (no ping-pong for SwiGLU / store GEMMs) is honoured, not the default.
+  o = eng::Overrides{};
+  o.pingpong_max_k = 0;
+  auto a = good_m();
+  a.K = 512;
+  EXPECT_FALSE(choice_m(a).pingpong());
+  o = eng::Overrides{};
+  EXPECT_TRUE(choice_m(a).pingpong());
+}
+
+// Every configuration the heuristic can return for a wide sweep of shapes and every override is in
+// the instance list (the dispatch table has it), and identical inputs give identical choices.
+TEST(EngineApi, HeuristicReturnsBuiltConfigs) {
+  int checked = 0;
+  for (auto epi : {eng::Epilogue::kStore, eng::Epilogue::kSwiGLU, eng::Epilogue::kDSwiGLU})
+    for (auto major : {eng::WeightMajor::kNK, eng::WeightMajor::kKN})
+      for (int N : {128, 256, 384, 448, 512, 640, 1024, 2880 / 64 * 64, 4096, 7168})
+        for (int K : {128, 256, 512, 1024, 2048, 4096, 7168})
+          for (int64_t rows : {int64_t{0}, int64_t{1000}, int64_t{200000}})
+            for (auto sched : {eng::ForcedSched::kNone, eng::ForcedSched::kCoop, eng::ForcedSched::kPingPong,
+                               eng::ForcedSched::kPingPong64}) {
+              if (epi == eng::Epilogue::kSwiGLU && N % 128 != 0) continue;
+              eng::VarlenMArgs a = good_m();
+              a.epilogue = epi;
+              a.b_major = major;
+              a.N = N;
+              a.K = K;
+              a.rows = rows;
+              o = eng::Overrides{};
+              o.sched = sched;
+              const auto c = eng::choose_varlen_m(a, eng::DeviceFacts{132}, o);
+              ASSERT_TRUE(c.has_value()) << N << " " << K;
+              EXPECT_TRUE(eng::is_built(*c)) << eng::to_string(*c);
+              EXPECT_TRUE(*c == *eng::choose_varlen_m(a, eng::DeviceFacts{132}, o));
+              ++checked;
+            }
+  o = eng::Overrides{};
+  EXPECT_GT(checked, 1000);
+  EXPECT_EQ(eng::to_string(cfg("da_dswiglu_pp64_c2<256>")), "da_dswiglu_pp64_c2<256>");
+  EXPECT_FALSE(eng::is_built(eng::EngineConfig{Kind::da_dswiglu, Sched::kPingPongStaged, 128, 1}));
 }

@@ -1,7 +1,7 @@
 // Naive fp32 GPU reference of the MoE layer (forward + plain-chain-rule backward) for the tests.
 // See layer_ref_gpu.h for the math and the contract; the float64 CPU original is
-// src/reference/moe_ref.cpp (experts_forward_ref, experts_backward_chain_ref, layer_*_ref) and
-// src/reference/routing_ref.cpp (topk softmax, router_backward_ref, swiglu/dswiglu).
+// src/reference/moe_ref.cpp (experts_forward_ref, experts_backward_chain_ref, layer_*_ref),
+// src/reference/routing_ref.cpp (topk softmax, swiglu/dswiglu) and router_backward_ref.cpp.
 //
 // Structure: the host builds the grouped rows (stable sort of the entries t*K+k by expert, the row
 // order of the CPU reference) from topk_expert, then a handful of simple kernels run:

@@ -19,7 +19,10 @@
 #include <cuda_bf16.h>
 #include <gtest/gtest.h>
 
+#include "engine/config.h"
 #include "engine/engine.h"
+#include "engine/heuristic.h"
+#include "engine/overrides.h"
 #include "gpu/engine_ref_gpu.h"
 #include "gpu/gpu_util.h"
 #include "test_seed.h"
@@ -182,9 +185,9 @@ void run_m_once(const MCase& c, const char* variant) {
   a.scores = d_s->get();
   a.scatter = d_sc->get();
   a.ds_partial = dsp.get();
-  if (c.expect_bn && std::getenv("SMOE_ENGINE_SCHED") == nullptr) EXPECT_EQ(eng::choose_varlen_m(a, sms()).bn, c.expect_bn);
-  const char* chosen = eng::choose_varlen_m(a, sms()).name;
-  ASSERT_STREQ(chosen ? chosen : "(none)", variant) << "the forced instantiation was not chosen";
+  const auto ch = eng::choose_varlen_m(a, eng::DeviceFacts{sms()}, eng::overrides());
+  if (c.expect_bn && eng::overrides().sched == eng::ForcedSched::kNone && ch) EXPECT_EQ(ch->bn, c.expect_bn);
+  ASSERT_EQ(ch ? eng::to_string(*ch) : std::string("(none)"), variant) << "the forced instantiation was not chosen";
 
   smoe::Status st = eng::varlen_m(a, sms(), 0);
   ASSERT_TRUE(st.ok()) << st.message;
@@ -276,7 +279,6 @@ void run_m(const MCase& c) {
   if (!dswiglu && c.N % 256 == 0) {
     runs.push_back({"coop", "256", "1", kind + "<256>"});
     runs.push_back({"coop", "256", "2", kind + "_c2<256>"});
-    if (store) runs.push_back({"coop", "256", "n2", kind + "_n2<256>"});  // a pair along N: A multicast
   }
   if (store) {
     runs.push_back({"pingpong", "128", "1", kind + "_pps<128>"});
@@ -285,7 +287,6 @@ void run_m(const MCase& c) {
     runs.push_back({"pingpong", "128", "1", kind + "_pps2<128>", "2"});
     runs.push_back({"pingpong", "192", "1", kind + "_pps2<192>", "2"});
     runs.push_back({"pingpong", "192", "2", kind + "_pp_c2<192>"});
-    runs.push_back({"pingpong", "192", "n2", kind + "_pp_n2<192>"});
   } else {
     runs.push_back({"pingpong", "128", "2", kind + "_pp_c2<128>"});
     if (c.N % 256 == 0)  // ping-pong 64 x 256 tiles in pairs (up-proj, dA')
@@ -296,14 +297,16 @@ void run_m(const MCase& c) {
     setenv("SMOE_ENGINE_BN_M", r.bn, 1);
     setenv("SMOE_ENGINE_CLUSTER", r.cluster, 1);
     setenv("SMOE_ENGINE_STAGED_STORE", r.staged, 1);
+    eng::reload_overrides_from_env();
     run_m_once(c, r.label.c_str());
   }
   unsetenv("SMOE_ENGINE_SCHED");
   unsetenv("SMOE_ENGINE_BN_M");
   unsetenv("SMOE_ENGINE_CLUSTER");
   unsetenv("SMOE_ENGINE_STAGED_STORE");
+  eng::reload_overrides_from_env();
   // The heuristic's own pick (checks expect_bn), as the layer will run it.
-  run_m_once(c, eng::choose_varlen_m([&] {
+  const auto pick = eng::choose_varlen_m([&] {
     eng::VarlenMArgs a;
     a.N = c.N;
     a.K = c.K;
@@ -311,7 +314,9 @@ void run_m(const MCase& c) {
     a.b_major = c.major;
     a.epilogue = c.epi;
     return a;
-  }(), sms()).name);
+  }(), eng::DeviceFacts{sms()}, eng::overrides());
+  ASSERT_TRUE(pick.has_value());
+  run_m_once(c, eng::to_string(*pick).c_str());
 }
 
 // ---- varlen-K ------------------------------------------------------------------------------
@@ -357,8 +362,10 @@ void run_k(const KCase& c) {
   a.ld_q = ld_q;
   a.gather_q = c.gather_q ? d_gq->get() : nullptr;
   a.D = D.get();
-  if (c.expect_bn) EXPECT_EQ(eng::choose_varlen_k(a, sms()).bn, c.expect_bn);
-  if (c.expect_cluster) EXPECT_EQ(eng::choose_varlen_k(a, sms()).cluster, c.expect_cluster);
+  const auto ck = eng::choose_varlen_k(a, eng::DeviceFacts{sms()}, eng::overrides());
+  ASSERT_TRUE(ck.has_value());
+  if (c.expect_bn) EXPECT_EQ(ck->bn, c.expect_bn);
+  if (c.expect_cluster) EXPECT_EQ(ck->cluster, c.expect_cluster);
   smoe::Status st = eng::varlen_k(a, sms(), 0);
   ASSERT_TRUE(st.ok()) << st.message;
   CUDA_OK(cudaDeviceSynchronize());
@@ -423,6 +430,7 @@ void run_gate_up_once(const std::vector<int>& counts, int n, int d, const char* 
   setenv("SMOE_ENGINE_SCHED", sched, 1);
   setenv("SMOE_ENGINE_BN_M", bn, 1);
   setenv("SMOE_ENGINE_CLUSTER", cluster, 1);
+  eng::reload_overrides_from_env();
   auto& g = rng.gen;
   Groups gr(counts);
   const int E = gr.E();
@@ -474,9 +482,10 @@ void run_gate_up_once(const std::vector<int>& counts, int n, int d, const char* 
   uph.D = Hh.get();
   uph.D2 = Ah.get();
   // The same instantiation as the interleaved run: with a cluster, the halves multicast too.
-  const eng::Choice ch = eng::choose_varlen_m(uph, sms()), chi = eng::choose_varlen_m(up, sms());
-  EXPECT_EQ(ch.cluster, chi.cluster) << ch.name << " vs " << chi.name;
-  EXPECT_EQ(ch.bn, chi.bn) << ch.name << " vs " << chi.name;
+  const eng::EngineConfig ch = *eng::choose_varlen_m(uph, eng::DeviceFacts{sms()}, eng::overrides()),
+                          chi = *eng::choose_varlen_m(up, eng::DeviceFacts{sms()}, eng::overrides());
+  EXPECT_EQ(ch.cluster, chi.cluster) << eng::to_string(ch) << " vs " << eng::to_string(chi);
+  EXPECT_EQ(ch.bn, chi.bn) << eng::to_string(ch) << " vs " << eng::to_string(chi);
   st = eng::varlen_m(uph, sms(), 0);
   ASSERT_TRUE(st.ok()) << st.message;
   CUDA_OK(cudaDeviceSynchronize());
@@ -574,10 +583,12 @@ void run_gate_up(const std::vector<int>& counts, int n, int d) {
   unsetenv("SMOE_ENGINE_SCHED");
   unsetenv("SMOE_ENGINE_BN_M");
   unsetenv("SMOE_ENGINE_CLUSTER");
+  eng::reload_overrides_from_env();
   run_gate_up_once(counts, n, d, "", "", "");  // the heuristic's picks (empty values: not forced)
   unsetenv("SMOE_ENGINE_SCHED");
   unsetenv("SMOE_ENGINE_BN_M");
   unsetenv("SMOE_ENGINE_CLUSTER");
+  eng::reload_overrides_from_env();
 }
 
 }  // namespace
@@ -646,7 +657,7 @@ TEST(GpuEngine, VarlenK) {
   run_k({kEdgeCounts, 256, 128, false, true});
   run_k({kEdgeCounts, 64, 64, false, true});
   run_k({kEdgeCounts, 64, 128, true, false});
-  // Q gathered runs transposed (EpiStoreT, octet-transposed 16-byte stores): partial tiles both ways.
+  // Q gathered runs transposed (EpiStoreTma<true>, stmatrix.trans + TMA): partial tiles both ways.
   run_k({kEdgeCounts, 192, 320, false, true});
   run_k({kEdgeCounts, 320, 192, false, true});
   // Neither gathered: both operands by TMA (dw_tma), the tail rows of both zeroed; both tiles.
@@ -657,15 +668,18 @@ TEST(GpuEngine, VarlenK) {
   run_k({{2048, 0, 2049, 5000, 1}, 128, 256, true, false});
   run_k({{2049, 4096, 0, 4500}, 256, 128, false, true});
   setenv("SMOE_ENGINE_BN_K", "256", 1);
+  eng::reload_overrides_from_env();
   run_k({kEdgeCounts, 320, 512, false, false, 256});
   run_k({kEdgeCounts, 128, 256, true, false, 256});
   unsetenv("SMOE_ENGINE_BN_K");
+  eng::reload_overrides_from_env();
 }
 // Pairs along M (Q multicast): every kind, an odd M-tile count (the last pair's rank-1 tile lies
 // past M: it loads its half of Q for its partner and stores nothing), empty experts, tails.
 TEST(GpuEngine, VarlenKCluster) {
   setenv("SMOE_ENGINE_BN_K", "256", 1);
   setenv("SMOE_ENGINE_CLUSTER_K", "2", 1);
+  eng::reload_overrides_from_env();
   run_k({kEdgeCounts, 256, 512, false, false, 256, 2});
   run_k({kEdgeCounts, 384, 256, false, false, 256, 2});  // 3 M-tiles
   run_k({kEdgeCounts, 256, 256, true, false, 256, 2});
@@ -675,10 +689,12 @@ TEST(GpuEngine, VarlenKCluster) {
   run_k({random_counts(300, 9000, g, 0.5), 256, 512, false, false, 256, 2});
   run_k({random_counts(300, 9000, g, 0.5), 512, 256, true, false, 256, 2});
   unsetenv("SMOE_ENGINE_CLUSTER_K");
+  eng::reload_overrides_from_env();
   // The heuristic's pick without the switch: a pair at an even M-tile count, none at an odd one.
   run_k({kEdgeCounts, 512, 256, false, false, 256, 2});
   run_k({kEdgeCounts, 384, 256, false, false, 256, 1});
   unsetenv("SMOE_ENGINE_BN_K");
+  eng::reload_overrides_from_env();
 }
 TEST(GpuEngine, ManyExpertsMostlyEmpty) {
   std::mt19937_64 g(smoe_test::fresh_seed());

@@ -481,7 +481,7 @@ TEST(GpuLayerRouting, ProvidedAgainstFloat64Reference) {
       {{200, 64, 128, 64, 4, smoe::MoERouter::kProvided}, 16, -1},  // 48 of 64 experts empty
       {{64, 64, 64, 512, 16, smoe::MoERouter::kProvided}, 512, -1}, // E = 512, K = 16
       {{257, 128, 64, 16, 3, smoe::MoERouter::kProvided}, 16, 5},   // one hot expert in every token
-      {{300, 128, 576, 8, 2, smoe::MoERouter::kProvided}, 8, -1},   // n = 576: the CUTLASS dW path
+      {{300, 128, 576, 8, 2, smoe::MoERouter::kProvided}, 8, -1},   // n = 576: 5 dS partial tiles
   };
   for (const C& c : cases) {
     const uint64_t seed = fresh_seed();
@@ -520,8 +520,8 @@ TEST(GpuLayerRouting, TokenRoundingAgainstFloat64Reference) {
   using M = smoe::TokenRoundingMode;
   // Average rows per expert 75, 175 and 32 against the 128-row tile: every mode pads some experts
   // and drops from others; E = 64 leaves experts empty after rounding down.
-  // The last shape (n = 576) takes the CUTLASS weight-gradient path for dW1 and dW2 (dw_path.h),
-  // whose per-expert pointers come from expert_offset on the device: rows past nnz must stay unread.
+  // The last shape (n = 576): rows past nnz must stay unread by the weight-gradient GEMMs, which
+  // take each expert's rows from expert_offset on the device.
   const smoe::MoEShape shapes[] = {{300, 128, 64, 8, 2}, {700, 64, 128, 16, 4}, {129, 64, 64, 4, 1},
                                    {512, 64, 64, 64, 4}, {600, 128, 576, 8, 2}};
   for (smoe::MoEShape s : shapes) {
@@ -623,41 +623,12 @@ TEST(GpuLayer, DeterministicBitwise) {
   EXPECT_TRUE(same(dwr1, g.dwr.download()));
 }
 
-// The three weight-gradient paths (SMOE_DW_PATH: the engine's gathered varlen-K, CUTLASS on rows
-// gathered first, the engine's varlen-K with both operands by TMA on the same gathered rows) on one
-// layer: dW1 and dW2 agree within the bf16 bound (fp32 sums over rows in other orders), every
-// element written, and the rest of the backward does not depend on the path. n = 320 and 128.
-TEST(GpuLayer, WeightGradientPathsAgree) {
-  for (const smoe::MoEShape& s : {smoe::MoEShape{700, 192, 320, 8, 2}, smoe::MoEShape{1000, 256, 128, 32, 4}}) {
-    const uint64_t seed = fresh_seed();
-    SCOPED_TRACE(testing::Message() << "seed " << seed << " n " << s.n);
-    const Inputs in = make_inputs(s, seed);
-    std::vector<Outputs> outs;
-    for (const char* path : {"engine", "cutlass", "engine_tma"}) {
-      SCOPED_TRACE(path);
-      setenv("SMOE_DW_PATH", path, 1);
-      GpuLayer g(in);
-      const smoe::Status st = g.run();
-      unsetenv("SMOE_DW_PATH");
-      ASSERT_TRUE(st.ok()) << st.message;
-      outs.push_back(g.download());
-      for (const auto* v : {&outs.back().dw1, &outs.back().dw2})
-        for (float e : *v) ASSERT_TRUE(std::isfinite(e)) << "an unwritten (poisoned) or non-finite gradient element";
-    }
-    for (size_t i = 1; i < outs.size(); ++i) {
-      EXPECT_LT(rel_l2(outs[i].dw1, outs[0].dw1), 1e-2) << "dw1, path " << i << " vs engine";
-      EXPECT_LT(rel_l2(outs[i].dw2, outs[0].dw2), 1e-2) << "dw2, path " << i << " vs engine";
-      EXPECT_EQ(0, std::memcmp(outs[i].dx.data(), outs[0].dx.data(), outs[0].dx.size() * 4)) << "dx, path " << i;
-    }
-  }
-}
-
 // Gate/up as two tensors (MoEWeights::w3, torchtitan's layout) against the interleaved layer on the
 // same weights: out and A'-derived dW2 bitwise (every element is the same sum in the same order),
 // the router gradient within 1e-3 (dS sums its terms in another order), dw1 / dw3 equal to the
 // interleaved dW1's even / odd rows (tight bound: the same reductions over rows), dx within the
-// bf16 bound (dX~ sums K as gate block then up block). dW1 runs the default path (dw_path.h): the
-// fused gather at n = 128, engine_tma at n = 320. A backward whose layout differs from its forward's is a bad saved state:
+// bf16 bound (dX~ sums K as gate block then up block). dW1 gathers x in the engine's loads, one
+// call per half. A backward whose layout differs from its forward's is a bad saved state:
 // NaN in every element of every gradient, and the flag.
 TEST(GpuLayer, GateUpTwoTensorsMatchInterleaved) {
   for (const smoe::MoEShape& s : {smoe::MoEShape{1000, 256, 128, 32, 4}, smoe::MoEShape{600, 256, 320, 8, 2}}) {

@@ -64,7 +64,8 @@ def _worker(rank, world, port, seed, T, d, n, E, K, q):
         El = E // world
         sl, tl = slice(rank * El, (rank + 1) * El), slice(rank * T, (rank + 1) * T)
         grp = sep.EpGroup(max_tokens=T, d=d, n=n, num_experts=E, top_k=K)
-        # The fake implementation's saved size (Python, symbolic in T) against the C++ query.
+        # The fake implementation's saved size (smoe_torch._layout: the local layer's part asked of C++ at
+        # creation, the T-dependent rest in Python, symbolic in T) against the C++ query.
         sizes_ok = all(sep.ep_saved_state_bytes(grp.handle, t) == grp.saved_state_bytes(t) for t in (0, 1, T // 2, T))
         results = []
         for _ in range(2):

@@ -1,4 +1,4 @@
-"""CPU test of bench/ncu_summary.py on a synthetic Nsight Compute raw page (header, unit row, a row per
+"""CPU test of bench/reports/ncu_summary.py on a synthetic Nsight Compute raw page (header, unit row, a row per
 kernel, as `ncu --import R --csv --page raw` writes it).
     python3 -m pytest -q tests/python/test_ncu_summary.py
 """
@@ -9,7 +9,7 @@ import os
 import pytest
 
 _spec = importlib.util.spec_from_file_location(
-    "ncu_summary", os.path.join(os.path.dirname(__file__), "..", "..", "bench", "ncu_summary.py"))
+    "ncu_summary", os.path.join(os.path.dirname(__file__), "..", "..", "bench", "reports", "ncu_summary.py"))
 ns = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(ns)
 

@@ -1,4 +1,4 @@
-"""CPU test of bench/pkb_report.py (issue 12's scaling report) on synthetic bench/pkb_ep.py runs:
+"""CPU test of bench/reports/pkb_report.py (issue 12's scaling report) on synthetic bench/drivers/pkb_ep.py runs:
 Fast@p counts only correct, timed tasks over all timed ones; tables per world size; the plot.
     python3 -m pytest -q tests/python/test_pkb_report.py
 """
@@ -9,7 +9,7 @@ import os
 import pytest
 
 _spec = importlib.util.spec_from_file_location(
-    "pkb_report", os.path.join(os.path.dirname(__file__), "..", "..", "bench", "pkb_report.py"))
+    "pkb_report", os.path.join(os.path.dirname(__file__), "..", "..", "bench", "reports", "pkb_report.py"))
 rep = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(rep)
 
@@ -76,5 +76,5 @@ def test_report_merges_world_sizes_and_writes_table_json_plot(tmp_path):
 def test_rejects_files_that_are_not_pkb_runs(tmp_path):
     p = tmp_path / "other.json"
     p.write_text(json.dumps({"results": []}))
-    with pytest.raises(ValueError, match="not a bench/pkb_ep.py result"):
+    with pytest.raises(ValueError, match="not a bench/drivers/pkb_ep.py result"):
         rep.main([str(p), "--out", str(tmp_path / "x")])

@@ -1,4 +1,4 @@
-"""Model of quad_transpose (src/engine/epilogue.cuh) and of the two ways the dSwiGLU epilogue uses it:
+"""Model of quad_transpose (src/engine/epilogue/common.cuh) and of the two ways the dSwiGLU epilogue uses it:
 the accumulator layout (lane q of a quad holds columns 2q, 2q+1 of every 8-column group j) against
 the 16-byte layout (lane q holds all 8 columns of group 4b+q)."""
 

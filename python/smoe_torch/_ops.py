@@ -1,0 +1,168 @@
+"""Loads the extension and registers what torch needs around its ops.
+
+Importing this module (smoe_torch does) loads smoe_torch._C, whose TORCH_LIBRARY(smoe) defines the
+schemas and CUDA kernels of torch.ops.smoe.* (csrc/ops.cpp), then registers for each op a fake (meta)
+implementation, so that torch.compile(fullgraph=True) traces through them, and autograd for the three
+forward ops (backward = the matching backward op). The expert-parallel ops (smoe_torch._ep,
+csrc/ep_ops.cpp, built only with NCCL) are loaded and registered by load_ep(), which smoe_torch.ep
+calls when it is imported. Buffer sizes come from _layout.py.
+"""
+import torch
+
+from . import _C  # noqa: F401  (registers torch.ops.smoe.*)
+from . import _layout
+
+ops = torch.ops.smoe
+
+
+def _saved_fake(x, E, n, K, router=_layout.ROUTER_TOPK_SOFTMAX, rounding=0):
+    T = x.shape[0]
+    return x.new_empty((_layout.saved_state_bytes(T, n, E, K, router, rounding),), dtype=torch.uint8)
+
+
+def _dw1_fake(w1, w3):
+    """The backward's first-projection gradient: like w1, or [2, E, n, d] (dw1, dw3) with w3."""
+    return torch.empty_like(w1) if w3 is None else w1.new_empty((2, *w1.shape))
+
+
+@torch.library.register_fake("smoe::moe_forward")
+def _moe_forward_fake(x, w_router, w1, w2, top_k, w3=None):
+    return torch.empty_like(x), _saved_fake(x, w1.shape[0], w2.shape[2], top_k)
+
+
+@torch.library.register_fake("smoe::moe_forward_tr")
+def _moe_forward_tr_fake(x, w_router, w1, w2, top_k, rounding, seed, w3=None):
+    return torch.empty_like(x), _saved_fake(x, w1.shape[0], w2.shape[2], top_k, _layout.ROUTER_TOKEN_ROUNDING,
+                                            rounding)
+
+
+@torch.library.register_fake("smoe::moe_forward_routed")
+def _moe_forward_routed_fake(x, w1, w2, expert, scores, w3=None):
+    return torch.empty_like(x), _saved_fake(x, w1.shape[0], w2.shape[2], expert.shape[1], _layout.ROUTER_PROVIDED)
+
+
+@torch.library.register_fake("smoe::moe_backward_routed")
+def _moe_backward_routed_fake(dout, x, w1, w2, saved, top_k, w3=None):
+    return (torch.empty_like(x), _dw1_fake(w1, w3), torch.empty_like(w2),
+            x.new_empty((x.shape[0], top_k), dtype=torch.float32))
+
+
+@torch.library.register_fake("smoe::moe_backward_tr")
+def _moe_backward_tr_fake(dout, x, w_router, w1, w2, saved, top_k, rounding, w3=None):
+    return torch.empty_like(x), torch.empty_like(w_router), _dw1_fake(w1, w3), torch.empty_like(w2)
+
+
+@torch.library.register_fake("smoe::moe_backward")
+def _moe_backward_fake(dout, x, w_router, w1, w2, saved, top_k, w3=None):
+    return torch.empty_like(x), torch.empty_like(w_router), _dw1_fake(w1, w3), torch.empty_like(w2)
+
+
+@torch.library.register_fake("smoe::topk_routing")
+def _topk_routing_fake(logits, top_k):
+    T, E = logits.shape
+    i32 = dict(dtype=torch.int32, device=logits.device)
+    return [logits.new_empty((T, top_k), dtype=torch.float32), torch.empty((T, top_k), **i32),
+            torch.empty((E,), **i32), torch.empty((E + 1,), **i32), torch.empty((T * top_k,), **i32),
+            torch.empty((T * top_k,), **i32), torch.empty((T * top_k,), **i32)]
+
+
+def _split_dw1(dw1, w3):
+    """(dw1, dw3) for autograd: the two halves of the [2, E, n, d] gradient with w3 (views)."""
+    return (dw1, None) if w3 is None else (dw1[0], dw1[1])
+
+
+def _setup_context(ctx, inputs, output):
+    x, w_router, w1, w2, top_k, w3 = inputs
+    _, saved = output
+    ctx.save_for_backward(x, w_router, w1, w2, saved, w3)
+    ctx.top_k = top_k
+    ctx.mark_non_differentiable(saved)
+
+
+def _backward(ctx, dout, _dsaved):
+    x, w_router, w1, w2, saved, w3 = ctx.saved_tensors
+    dx, dwr, dw1, dw2 = ops.moe_backward(dout.contiguous(), x, w_router, w1, w2, saved, ctx.top_k, w3)
+    dw1, dw3 = _split_dw1(dw1, w3)
+    return dx, dwr, dw1, dw2, None, dw3
+
+
+torch.library.register_autograd("smoe::moe_forward", _backward, setup_context=_setup_context)
+
+
+def _setup_context_tr(ctx, inputs, output):
+    x, w_router, w1, w2, top_k, rounding, _seed, w3 = inputs
+    ctx.save_for_backward(x, w_router, w1, w2, output[1], w3)
+    ctx.top_k, ctx.rounding = top_k, rounding
+    ctx.mark_non_differentiable(output[1])
+
+
+def _backward_tr(ctx, dout, _dsaved):
+    x, w_router, w1, w2, saved, w3 = ctx.saved_tensors
+    dx, dwr, dw1, dw2 = ops.moe_backward_tr(dout.contiguous(), x, w_router, w1, w2, saved, ctx.top_k, ctx.rounding, w3)
+    dw1, dw3 = _split_dw1(dw1, w3)
+    return dx, dwr, dw1, dw2, None, None, None, dw3
+
+
+torch.library.register_autograd("smoe::moe_forward_tr", _backward_tr, setup_context=_setup_context_tr)
+
+
+def _setup_context_routed(ctx, inputs, output):
+    x, w1, w2, expert, _scores, w3 = inputs
+    ctx.save_for_backward(x, w1, w2, output[1], w3)
+    ctx.top_k = expert.shape[1]
+    ctx.mark_non_differentiable(output[1])
+
+
+def _backward_routed(ctx, dout, _dsaved):
+    x, w1, w2, saved, w3 = ctx.saved_tensors
+    dx, dw1, dw2, dscores = ops.moe_backward_routed(dout.contiguous(), x, w1, w2, saved, ctx.top_k, w3)
+    dw1, dw3 = _split_dw1(dw1, w3)
+    return dx, dw1, dw2, None, dscores, dw3
+
+
+torch.library.register_autograd("smoe::moe_forward_routed", _backward_routed, setup_context=_setup_context_routed)
+
+
+# Expert parallelism: smoe::ep_forward / smoe::ep_backward take the EP context as an int handle;
+# their fakes read its sizes from _layout's registry (EpGroup fills it).
+
+def _ep_forward_fake(ctx, x, expert, scores, w1, w2):
+    return torch.empty_like(x), x.new_empty((_layout.ep_saved_state_bytes(ctx, x.shape[0]),), dtype=torch.uint8)
+
+
+def _ep_backward_fake(ctx, dout, x, w1, w2, saved):
+    return (torch.empty_like(x), x.new_empty((x.shape[0], _layout.ep_top_k(ctx)), dtype=torch.float32),
+            torch.empty_like(w1), torch.empty_like(w2))
+
+
+def _ep_setup_context(ctx, inputs, output):
+    handle, x, _expert, _scores, w1, w2 = inputs
+    ctx.handle = handle
+    ctx.save_for_backward(x, w1, w2, output[1])
+
+
+def _ep_backward(ctx, dout, _dsaved):
+    x, w1, w2, saved = ctx.saved_tensors
+    dx, dscores, dw1, dw2 = ops.ep_backward(ctx.handle, dout.contiguous(), x, w1, w2, saved)
+    return None, dx, None, dscores, dw1, dw2
+
+
+_ep_state = None  # (module or None, ImportError or None) once load_ep() has run
+
+
+def load_ep():
+    """(smoe_torch._ep, None) with the EP ops' fakes and autograd registered, or (None, the ImportError)
+    when the package was built without NCCL. The first call imports and registers; later calls return
+    the same pair."""
+    global _ep_state
+    if _ep_state is None:
+        try:
+            from . import _ep  # after _C: its TORCH_LIBRARY_FRAGMENT(smoe) adds ep_forward / ep_backward
+        except ImportError as e:  # built without NCCL
+            _ep_state = (None, e)
+        else:
+            torch.library.register_fake("smoe::ep_forward")(_ep_forward_fake)
+            torch.library.register_fake("smoe::ep_backward")(_ep_backward_fake)
+            torch.library.register_autograd("smoe::ep_forward", _ep_backward, setup_context=_ep_setup_context)
+            _ep_state = (_ep, None)
+    return _ep_state

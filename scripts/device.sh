@@ -1,0 +1,536 @@
+#!/usr/bin/env bash
+# The one script for the GPU machine (device tool): named steps, run in the order given.
+#
+#   scripts/device.sh [--dry-run] STEP [STEP ...]    e.g. scripts/device.sh build test sanitize
+#   scripts/device.sh --list                          the steps, one line each
+#   --dry-run (or DEVICE_DRY_RUN=1): print every command a step would run, run none (any machine).
+#
+# Steps:
+#   build     configure (CMake + Ninja, Release) and build everything in $BUILD (default build/)
+#             with all cores; GoogleTest from .deps/googletest (the GPU machine has no
+#             libgtest-dev), CUTLASS from .deps/cutlass-<ver> (scripts/versions.env). When a later
+#             step needs the PyTorch extension, its build (pip install .) starts next to this one.
+#   test      the GPU tests (test_gpu, TEST_FILTER selects; TEST_TIMEOUT, 400 s) and the main job
+#             (smoe_main: the GPU routing check and one layer benchmark)
+#   sanitize  compute-sanitizer on small GPU tests: memcheck, racecheck, synccheck
+#             (SANITIZE_TOOLS picks, SANITIZE_TIMEOUT per tool, 300 s)
+#   bench     bench_layer and the torch baseline (bench/baselines/torch_baseline.py) on
+#             bench/configs/configs.json, merged by bench/reports/merge_results.py into
+#             $OUT/bench/layer.{json,md}; then the same for bench/configs/sweep_configs.json
+#             ($OUT/bench/sweep.{json,md}). BENCH_CONFIGS=A,B: only those, no sweep; BENCH_SWEEP=0: no
+#             sweep; BENCH_WARMUP (3), BENCH_REPS (15), BENCH_TIMEOUT (500 s a command)
+#   sonic     SonicMoE next to ours and torch in one process (bench/drivers/side_by_side.py), carrying
+#             .whl (bench/baselines/sonicmoe_env.sh pack). SONIC_STAGE=warm (default: builds our
+#             extension, runs SonicMoE alone on SONIC_WARM_CONFIG so its cold Triton autotune
+#             fills the machine's cache) or run (the next call on the still-warm machine:
+#             SONIC_CONFIGS, default all). SONIC_BUDGET (570 s from the script's start) caps both.
+#   ncu       Nsight Compute on one forward + backward of bench_layer per config of NCU_CONFIGS
+#             (OLMoE-7B): SpeedOfLight, WarpStateStats, Occupancy; bench/reports/ncu_summary.py
+#             makes one line per kernel. NCU_TIMEOUT (240 s), NCU_ENV (VAR=value words for the
+#             run), NCU_LAUNCHES (60), NCU_KERNEL (regex on the demangled name), NCU_SECTIONS
+#             (more sections; their details page too), NCU_FLAGS (e.g. '--clock-control none'),
+#             NCU_SOURCE=1 (SourceCounters: per-SASS-instruction stalls, ncu_source_top.py),
+#             NCU_KEEP_REPORTS=1 (the .ncu-rep files too: large)
+#   ep        expert parallelism, kind nvidia-h200-x2 (2 GPUs): the sub-steps of EP_STEPS
+#             (default "test comm torch train"):
+#               test      test_ep (C++, 2 GPUs)
+#               comm      ep_comm_bench: dispatch / combine bandwidth
+#               torch     the extension + tests/python/test_ep.py
+#               train     examples/ep_train under torchrun (EP = 2, 100 steps)
+#               bench     bench/baselines/ep_baseline.py (EP_CONFIGS, EP_SYSTEMS, EP_WARMUP 2,
+#                         EP_REPS 7, EP_BENCH_TIMEOUT 500 s; EP_PROFILE=1 adds kernel times per call)
+#               overlap   ours_ep at each SMOE_EP_OVERLAP of EP_OVERLAPS (default "0 1")
+#               pkb       bench/drivers/pkb_ep.py at every world size of PKB_SIZES (1 2 4 8, those
+#                         the machine has) and scaling of PKB_SCALING (strong weak), PKB_SEEDS (2),
+#                         PKB_TIMEOUT (300 s a run), then bench/reports/pkb_report.py
+#               sanitize  memcheck on two small EP tests. It does not finish: under the sanitizer
+#                         the two GPUs' kernels (one process, a thread per GPU) serialise and a
+#                         kernel waiting at an LSA barrier for its peer times out. Kept for a later
+#                         multi-process test binary.
+#   pytest    build the PyTorch extension (pip install --no-build-isolation .) and run
+#             tests/python from /tmp (PYTEST_TIMEOUT, 300 s; the two-GPU EP tests skip on one GPU)
+#   digest    $BUILD/layer_digest > $OUT/digest.txt (fails, saying so, when the binary is missing)
+#
+# Output: every step prints a header and a few summary lines here, logs everything to
+# $OUT/<step>.log and puts its other files in $OUT/<step>/. OUT defaults to ./device_out (the
+# device tool sets it). The device tool brings back at most 8 files of $OUT, so $OUT/00-all.tgz,
+# rewritten after every step, holds all of them (a call cut off at its limit still returns what
+# finished). Exit status: 0 when every step passed, 1 when any failed (the later steps still run),
+# 2 for bad usage. SMOE_COMMIT labels results (pass the hash: the device's copy of .git can be
+# stale; on 2026-11-30 it reported the session's first commit for a later tree).
+#
+# Device calls (each command at most 600 s; a warm machine keeps build/, so a second call's build
+# step is incremental). Carry for build: [".deps/googletest",
+# ".deps/cutlass-4.2.0.0/cutlass_library/source/include"] (31 MB):
+#   run(command="scripts/device.sh build test sanitize", carry=[...])   # ~80 s build, ~200 s tests
+#   run(command="SMOE_COMMIT=<hash> scripts/device.sh build bench", carry=[...])
+#   run(command="SMOE_COMMIT=<hash> scripts/device.sh build pytest digest", carry=[...])
+#   run(command="EP_STEPS='test comm torch train' scripts/device.sh build ep", carry=[...], kind="nvidia-h200-x2")
+#   run(command="SONIC_STAGE=warm scripts/device.sh sonic", carry=[".whl"]), then SONIC_STAGE=run
+#     within ~30 s (the .whl of sonicmoe_env.sh pack holds the CUTLASS headers too).
+set -uo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+# shellcheck source=versions.env
+source scripts/versions.env
+
+ALL_STEPS="build test sanitize bench sonic ncu ep pytest digest"
+OUT="${OUT:-$ROOT/device_out}"
+BUILD="${BUILD:-build}"
+DRY="${DEVICE_DRY_RUN:-0}"
+CUTLASS_SRC="$ROOT/.deps/cutlass-$CUTLASS_PIP_VERSION/cutlass_library/source"
+COMMIT="${SMOE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
+T0=$(date +%s)
+export PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0   # NVLink multicast stays off on shared machines
+case ":$PATH:" in *:/usr/local/cuda/bin:*) ;; *) PATH="$PATH:/usr/local/cuda/bin" ;; esac
+
+usage() { sed -n '2,/^set -uo/{/^#/s/^# \{0,1\}//p}' "$0"; }
+
+steps=()
+for a in "$@"; do
+  case "$a" in
+    --dry-run|-n) DRY=1 ;;
+    --list) for s in $ALL_STEPS; do echo "$s"; done; exit 0 ;;
+    -h|--help) usage; exit 0 ;;
+    -*) echo "device.sh: unknown option $a" >&2; exit 2 ;;
+    *) case " $ALL_STEPS " in
+         *" $a "*) steps+=("$a") ;;
+         *) echo "device.sh: unknown step '$a' (steps: $ALL_STEPS)" >&2; exit 2 ;;
+       esac ;;
+  esac
+done
+[ ${#steps[@]} -gt 0 ] || { usage >&2; exit 2; }
+wants() { case " ${steps[*]} " in *" $1 "*) return 0 ;; esac; return 1; }
+
+mkdir -p "$OUT"
+STATE="$(mktemp -d)"      # this call's flags (the torch extension's build)
+PGFILE="${TMPDIR:-/tmp}/smoe_device.pgids"   # process groups of commands in flight (see xt)
+export SMOE_DEVICE_CALL="$$.$T0"              # marks the processes this script starts
+
+# ---- helpers -------------------------------------------------------------------------------------
+say() { printf '%s\n' "$*"; }
+quote() { local s; printf -v s '%q ' "$@"; printf '%s' "${s% }"; }
+dry() { [ "$DRY" = 1 ]; }
+body() { tail -n +2 "$1"; }   # a step's log without its header line
+redir_text() {  # redir_text MODE FILE: " > FILE" (-o) or " &> FILE" (-a), FILE relative to the root
+  case "$1" in -o) printf ' > %s' "${2#"$ROOT"/}" ;; -a) printf ' &> %s' "${2#"$ROOT"/}" ;; esac
+}
+
+# x [-o FILE | -a FILE] CMD...: print the command, then run it (a dry run prints only).
+# -o: its stdout to FILE; -a: stdout and stderr to FILE. Otherwise both go to the step's log.
+x() {
+  local mode="" f=""
+  case "${1:-}" in -o|-a) mode=$1; f=$2; shift 2 ;; esac
+  say "+ $(quote "$@")$(redir_text "$mode" "$f")"
+  dry && return 0
+  case "$mode" in
+    -o) "$@" >"$f" ;;
+    -a) "$@" >"$f" 2>&1 ;;
+    *) "$@" ;;
+  esac
+}
+
+# xt [-o FILE | -a FILE] SECONDS CMD...: x under `timeout`, which runs the command in a process
+# group of its own and ends the whole group (torchrun's workers too) at the limit. The group is
+# recorded in $PGFILE while it runs: a call that the device tool cuts off leaves it there, and the
+# next call on the warm machine ends it before anything runs (leftover torchrun workers held 95 GB
+# of GPU 0 on 2026-11-30 and the next call ran out of memory).
+xt() {
+  local mode="" f=""
+  case "${1:-}" in -o|-a) mode=$1; f=$2; shift 2 ;; esac
+  local secs=$1; shift
+  [ "$secs" -ge 1 ] 2>/dev/null || { say "no time left for: $(quote "$@")"; return 124; }
+  say "+ timeout $secs $(quote "$@")$(redir_text "$mode" "$f")"
+  dry && return 0
+  case "$mode" in
+    -o) timeout --kill-after=10 "$secs" "$@" >"$f" & ;;
+    -a) timeout --kill-after=10 "$secs" "$@" >"$f" 2>&1 & ;;
+    *) timeout --kill-after=10 "$secs" "$@" & ;;
+  esac
+  local pid=$! rc
+  echo "$pid" >>"$PGFILE"
+  wait "$pid"; rc=$?
+  sed -i "/^$pid\$/d" "$PGFILE" 2>/dev/null
+  if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+    say "(timed out after $secs s)"
+    kill -9 -- "-$pid" 2>/dev/null
+  fi
+  return "$rc"
+}
+
+# Process groups an earlier call left in $PGFILE: ended only if one of their processes carries
+# SMOE_DEVICE_CALL (i.e. was started by this script), so a reused id is left alone.
+end_leftovers() {
+  [ -s "$PGFILE" ] || return 0
+  local pg p ended=0
+  while read -r pg; do
+    [ -n "$pg" ] || continue
+    for p in $(ps -eo pid=,pgid= | awk -v g="$pg" '$2 == g {print $1}'); do
+      if tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -q '^SMOE_DEVICE_CALL='; then
+        kill -9 -- "-$pg" 2>/dev/null && { say "ended process group $pg, left running by an earlier call"; ended=1; }
+        break
+      fi
+    done
+  done <"$PGFILE"
+  : >"$PGFILE"
+  [ "$ended" = 1 ] && sleep 2
+  return 0
+}
+
+need_bin() {  # need_bin NAME STEP: $BUILD/NAME must exist (not checked in a dry run)
+  dry || [ -x "$BUILD/$1" ] || { say "no $BUILD/$1: build it first (scripts/device.sh build $2)"; return 1; }
+}
+ngpus() { if dry; then echo "${DRY_GPUS:-2}"; else nvidia-smi -L 2>/dev/null | grep -c '^GPU'; fi; }
+left() { local l=$(( ${SONIC_BUDGET:-570} - ($(date +%s) - T0) )); [ "$l" -ge 1 ] && echo "$l" || echo 0; }
+
+# The CUTLASS headers: carried in .deps, or unpacked from .whl (bench/baselines/sonicmoe_env.sh pack).
+cutlass_headers() {
+  [ -f "$CUTLASS_SRC/include/cutlass/cutlass.h" ] && return 0
+  if [ -f .whl/cutlass-headers.tar.xz ]; then
+    x tar xJf .whl/cutlass-headers.tar.xz
+    dry || [ -f "$CUTLASS_SRC/include/cutlass/cutlass.h" ] && return 0
+  fi
+  dry && return 0
+  say "no CUTLASS headers in ${CUTLASS_SRC#"$ROOT"/}/include: carry .deps/cutlass-$CUTLASS_PIP_VERSION/cutlass_library/source/include"
+  return 1
+}
+
+# ---- the PyTorch extension (pip install .), built at most once per call --------------------------
+# Steps that need it: pytest, sonic, and ep with a torch sub-step. With the build step in the same
+# call it builds next to the C++ build (own CMake dir build-torch/, shared cudart: the two share no
+# objects, and together they fill the cores one build's serial tail leaves idle).
+EP_STEPS="${EP_STEPS:-test comm torch train}"
+ep_has() { case " $EP_STEPS " in *" $1 "*) return 0 ;; esac; return 1; }
+torch_ext_wanted() {
+  wants pytest || wants sonic || { wants ep && { ep_has torch || ep_has train || ep_has bench || ep_has overlap || ep_has pkb; }; }
+}
+TORCH_EXT=(python3 -m pip install --no-build-isolation --no-deps -q .)
+torch_ext_start() {  # in the background
+  [ -e "$STATE/ext.started" ] && return 0
+  touch "$STATE/ext.started"
+  say "torch extension: building in the background, log torch_ext.log"
+  x -a "$OUT/torch_ext.log" "${TORCH_EXT[@]}"
+  if dry; then echo 0 >"$STATE/ext.rc"; return 0; fi
+  ( timeout 400 "${TORCH_EXT[@]}" >"$OUT/torch_ext.log" 2>&1; echo $? >"$STATE/ext.rc" ) &
+}
+torch_ext_settle() {  # no timing while it still compiles next to it
+  [ -e "$STATE/ext.started" ] && [ ! -e "$STATE/ext.rc" ] && say "waiting for the torch extension's build"
+  while [ -e "$STATE/ext.started" ] && [ ! -e "$STATE/ext.rc" ]; do sleep 2; done
+  return 0
+}
+torch_ext() {  # wait for it (or build it now); its status
+  if [ ! -e "$STATE/ext.started" ]; then
+    touch "$STATE/ext.started"
+    cutlass_headers || { echo 1 >"$STATE/ext.rc"; return 1; }
+    xt -a "$OUT/torch_ext.log" 400 "${TORCH_EXT[@]}"
+    echo $? >"$STATE/ext.rc"
+  fi
+  torch_ext_settle
+  local rc; rc=$(cat "$STATE/ext.rc")
+  say "torch extension: pip rc=$rc"
+  [ "$rc" = 0 ] || { tail -20 "$OUT/torch_ext.log" 2>/dev/null; return 1; }
+}
+
+# ---- steps ---------------------------------------------------------------------------------------
+step_build() {
+  cutlass_headers || return 1
+  local gtest=()
+  if [ -d .deps/googletest ]; then gtest=(-DSMOE_GTEST_SOURCE_DIR="$ROOT/.deps/googletest")
+  else say "no .deps/googletest (carry it on the GPU machine): CMake looks for an installed GoogleTest"; fi
+  torch_ext_wanted && torch_ext_start
+  local nvcc t rc=0
+  nvcc="$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)"
+  t=$(date +%s)
+  x cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_COMPILER="$nvcc" -Wno-dev \
+    ${gtest[@]+"${gtest[@]}"} -DSMOE_CUTLASS_DIR="$CUTLASS_SRC" || return 1
+  x cmake --build "$BUILD" -j "$(nproc)" || rc=1
+  say "build: $(( $(date +%s) - t )) s"
+  return $rc
+}
+summary_build() { grep -E "^build: |error|FAILED:|no CUTLASS|no \.deps" "$1" | head -40; }
+
+step_test() {
+  need_bin test_gpu test || return 1
+  local rc=0
+  xt "${TEST_TIMEOUT:-400}" "$BUILD/test_gpu" ${TEST_FILTER:+"--gtest_filter=$TEST_FILTER"} || rc=1
+  if dry || [ -x "$BUILD/smoe_main" ]; then xt 180 "$BUILD/smoe_main" || rc=1; fi
+  return $rc
+}
+summary_test() {
+  grep -E "^\[  (PASSED|FAILED|SKIPPED) |^\[==========\] .* ran|Failure$|Expected|Which is|timed out" "$1" | head -40
+}
+
+# The filters of the old device_check.sh: small shapes, so the sanitizers finish in minutes.
+SAN_SMALL_ENGINE='GpuEngine.StoreWeightsNK:GpuEngine.SwiGLUGathered:GpuEngine.DSwiGLUGathered:GpuEngine.GateUpTwoTensors:GpuEngine.VarlenK:GpuEngine.VarlenKCluster:GpuEngine.ZeroRows'
+SAN_MEMCHECK="GpuRouting.NonFinite*:GpuRouting.ZeroTokens:GpuRouting.WorkspaceTooSmall*:GpuRouting.Deterministic:GpuLayer.SmallShapes*:GpuLayer.Unsupported*:GpuLayer.GateUpTwoTensorsMatchInterleaved:GpuLayerRouting.*:GpuTokenRounding.SmallShapes*:GpuTokenRounding.ZeroTokens:GpuTokenRounding.WorkspaceTooSmall*:$SAN_SMALL_ENGINE"
+SAN_RACECHECK='GpuRouting.NonFinite*:GpuRouting.Deterministic:GpuTokenRounding.StochasticDependsOnSeed:GpuLayerRouting.ProvidedInvalid*:GpuEngine.StoreWeightsNK:GpuEngine.VarlenK:GpuEngine.VarlenKCluster'
+SAN_SYNCCHECK='GpuEngine.StoreWeightsNK:GpuEngine.VarlenK:GpuEngine.VarlenKCluster:GpuEngine.SwiGLUGathered'
+step_sanitize() {
+  need_bin test_gpu sanitize || return 1
+  local rc=0 tool filter
+  for tool in ${SANITIZE_TOOLS:-memcheck racecheck synccheck}; do
+    case "$tool" in
+      memcheck) filter=$SAN_MEMCHECK ;;
+      racecheck) filter=$SAN_RACECHECK ;;
+      synccheck) filter=$SAN_SYNCCHECK ;;
+      *) say "unknown sanitizer tool $tool"; rc=1; continue ;;
+    esac
+    say "---- $tool"
+    xt "${SANITIZE_TIMEOUT:-300}" compute-sanitizer --tool "$tool" --error-exitcode 9 "$BUILD/test_gpu" \
+      --gtest_filter="$filter" || rc=1
+  done
+  return $rc
+}
+summary_sanitize() { grep -E "^---- |ERROR SUMMARY|RACECHECK SUMMARY|SYNCCHECK SUMMARY|^\[  (PASSED|FAILED) |timed out" "$1" | head -30; }
+
+step_bench() {
+  need_bin bench_layer bench || return 1
+  torch_ext_settle
+  local d="$OUT/bench" rc=0 driver="unknown" only="${BENCH_CONFIGS:-}"
+  local w="${BENCH_WARMUP:-3}" r="${BENCH_REPS:-15}" t="${BENCH_TIMEOUT:-500}"
+  mkdir -p "$d"
+  dry || driver="$(nvidia-smi --query-gpu=driver_version --format=csv,noheader | head -1)"
+  xt "$t" "$BUILD/bench_layer" --out "$d/ours.json" --commit "$COMMIT" --warmup "$w" --reps "$r" \
+    --driver "$driver" ${only:+--only "$only"} || rc=1
+  xt -a "$d/torch.log" "$t" python3 bench/baselines/torch_baseline.py --out "$d/torch.json" --counts histc \
+    --warmup "$w" --reps "$r" ${only:+--configs "$only"} || rc=1
+  x python3 bench/reports/merge_results.py --ours "$d/ours.json" --torch "$d/torch.json" \
+    --out "$d/layer.json" --md "$d/layer.md" || rc=1
+  if [ -z "$only" ] && [ "${BENCH_SWEEP:-1}" != 0 ]; then
+    xt "$t" "$BUILD/bench_layer" --configs bench/configs/sweep_configs.json --out "$d/sweep_ours.json" \
+      --commit "$COMMIT" --warmup "$w" --reps "$r" --driver "$driver" || rc=1
+    xt -a "$d/sweep_torch.log" "$t" python3 bench/baselines/torch_baseline.py \
+      --configs-file bench/configs/sweep_configs.json --out "$d/sweep_torch.json" --counts histc \
+      --warmup "$w" --reps "$r" || rc=1
+    x python3 bench/reports/merge_results.py --ours "$d/sweep_ours.json" --torch "$d/sweep_torch.json" \
+      --out "$d/sweep.json" --md "$d/sweep.md" || rc=1
+  fi
+  return $rc
+}
+summary_bench() {
+  local f
+  for f in "$OUT/bench/layer.md" "$OUT/bench/sweep.md"; do [ -f "$f" ] && { say "-- ${f#"$OUT"/}"; head -20 "$f"; }; done
+  grep -E "timed out|Error|error" "$1" | head -10
+}
+
+step_sonic() {
+  if ! dry && [ ! -d .whl ]; then say "no .whl/: run bench/baselines/sonicmoe_env.sh pack here and carry .whl"; return 1; fi
+  torch_ext || return 1
+  local d="$OUT/sonic" rc=0 had_pp="${PYTHONPATH+set}" old_pp="${PYTHONPATH:-}" envline
+  mkdir -p "$d"
+  say "+ eval \"\$(bash bench/baselines/sonicmoe_env.sh install)\""
+  if ! dry; then
+    envline="$(bash bench/baselines/sonicmoe_env.sh install)" || return 1
+    eval "$envline"   # PYTHONPATH for this step only (restored below)
+  fi
+  if x python3 -c "import sonicmoe"; then
+    case "${SONIC_STAGE:-warm}" in
+      warm)
+        xt -a "$d/sonic_warm.log" "$(left)" python3 bench/drivers/side_by_side.py --systems sonicmoe \
+          --configs "${SONIC_WARM_CONFIG:-1.4B n256 E128 K8}" --reps 1 --warmup 1 --out "$d/sonic_warm.json" \
+          --commit "$COMMIT" || rc=1 ;;
+      run)
+        xt -a "$d/side_by_side.log" "$(left)" python3 bench/drivers/side_by_side.py \
+          ${SONIC_CONFIGS:+--configs "$SONIC_CONFIGS"} --out "$d/side_by_side.json" --plots "$d" \
+          --commit "$COMMIT" || rc=1 ;;
+      *) say "SONIC_STAGE must be warm or run"; rc=1 ;;
+    esac
+  else
+    say "sonicmoe does not import"; rc=1
+  fi
+  if [ "$had_pp" = set ]; then export PYTHONPATH="$old_pp"; else unset PYTHONPATH; fi
+  return $rc
+}
+summary_sonic() { tail -n 15 "$OUT"/sonic/*.log 2>/dev/null; grep -E "does not import|timed out|pip rc" "$1"; }
+
+step_ncu() {
+  need_bin bench_layer ncu || return 1
+  torch_ext_settle
+  local d="$OUT/ncu" rep="${TMPDIR:-/tmp}/smoe_ncu" rc=0 cfg tag sec f extra
+  mkdir -p "$d" "$rep"   # the reports themselves outside $OUT (size)
+  IFS=',' read -r -a cfgs <<<"${NCU_CONFIGS:-OLMoE-7B}"
+  for cfg in "${cfgs[@]}"; do
+    tag=$(echo "$cfg" | tr -c 'A-Za-z0-9.\n-' '_')
+    extra=()
+    for sec in ${NCU_SECTIONS:-}; do extra+=(--section "$sec"); done
+    [ "${NCU_SOURCE:-0}" = 1 ] && extra+=(--section SourceCounters)
+    for f in ${NCU_FLAGS:-}; do extra+=("$f"); done
+    # Matched against the demangled name: the bare function name is engine_kernel for every instance.
+    [ -n "${NCU_KERNEL:-}" ] && extra+=(--kernel-name-base demangled --kernel-name "regex:$NCU_KERNEL")
+    say "---- $cfg"
+    # shellcheck disable=SC2086  # NCU_ENV: VAR=value words
+    xt -a "$d/ncu_$tag.log" "${NCU_TIMEOUT:-240}" env ${NCU_ENV:-} ncu -f -o "$rep/ncu_$tag" \
+      --section SpeedOfLight --section WarpStateStats --section Occupancy ${extra[@]+"${extra[@]}"} \
+      --launch-count "${NCU_LAUNCHES:-60}" "$BUILD/bench_layer" --only "$cfg" --warmup 0 --reps 1 || rc=1
+    # The raw page: every collected metric as a column, one row per kernel.
+    x -o "$d/ncu_$tag.csv" ncu --import "$rep/ncu_$tag.ncu-rep" --csv --page raw || rc=1
+    x -o "$d/ncu_$tag.md" python3 bench/reports/ncu_summary.py "$d/ncu_$tag.csv" || rc=1
+    dry || cat "$d/ncu_$tag.md"
+    if [ "${NCU_SOURCE:-0}" = 1 ]; then
+      x -o "$d/ncu_${tag}_source.csv" ncu --import "$rep/ncu_$tag.ncu-rep" --page source --print-source sass --csv &&
+        x -o "$d/ncu_${tag}_source_top.txt" python3 bench/reports/ncu_source_top.py "$d/ncu_${tag}_source.csv" --top 30
+    fi
+    if [ -n "${NCU_SECTIONS:-}" ]; then x -o "$d/ncu_${tag}_details.txt" ncu --import "$rep/ncu_$tag.ncu-rep" --page details; fi
+    if [ "${NCU_KEEP_REPORTS:-0}" = 1 ]; then x cp "$rep/ncu_$tag.ncu-rep" "$d/"; fi
+  done
+  return $rc
+}
+summary_ncu() { body "$1" | grep -vE "^\+ " | head -60; }
+
+step_ep() {
+  local ng d="$OUT/ep" rc=0 sub
+  ng=$(ngpus)
+  mkdir -p "$d"
+  [ "$ng" -ge 2 ] || say "only $ng GPU(s): the EP steps need 2 (device kind nvidia-h200-x2); test_ep skips, torchrun -n 2 fails"
+  for sub in $EP_STEPS; do
+    case "$sub" in test|comm|torch|train|bench|overlap|pkb|sanitize) ;;
+      build) say "ep: 'build' is its own step now (scripts/device.sh build ep)"; continue ;;
+      *) say "ep: unknown sub-step $sub"; rc=1; continue ;;
+    esac
+    say "---- ep $sub"
+    "ep_$sub" "$d" "$ng" || { rc=1; say "ep $sub: FAILED"; }
+  done
+  return $rc
+}
+ep_test() {
+  need_bin test_ep ep || return 1
+  xt -a "$1/test.log" 200 "$BUILD/test_ep"; local rc=$?
+  dry || grep -E "PASSED|FAILED|Failure|error" "$1/test.log" | head -20
+  return $rc
+}
+ep_sanitize() {
+  need_bin test_ep ep || return 1
+  xt -a "$1/sanitize.log" 300 compute-sanitizer --tool memcheck --error-exitcode 9 "$BUILD/test_ep" \
+    --gtest_filter='GpuEp.RandomRoutingUnevenRanks:GpuEp.RoundtripIsRanksTimesX'; local rc=$?
+  dry || grep -E "ERROR SUMMARY|PASSED|FAILED" "$1/sanitize.log" | head
+  return $rc
+}
+ep_comm() {
+  need_bin ep_comm_bench ep || return 1
+  torch_ext_settle
+  xt -a "$1/comm.log" 200 "$BUILD/ep_comm_bench" --reps 20 --out "$1/ep_comm_$COMMIT.json"; local rc=$?
+  dry || tail -20 "$1/comm.log"
+  return $rc
+}
+ep_torch() {
+  torch_ext || return 1
+  (cd /tmp && xt -a "$1/pytest.log" 300 python3 -m pytest -q "$ROOT/tests/python/test_ep.py" -p no:cacheprovider)
+  local rc=$?
+  dry || tail -5 "$1/pytest.log"
+  return $rc
+}
+ep_train() {
+  torch_ext || return 1
+  xt -a "$1/train.log" 200 torchrun --nproc_per_node 2 examples/ep_train/ep_train.py --steps 100; local rc=$?
+  dry || grep -vE "Warning|\*\*\*\*" "$1/train.log" | tail -14
+  return $rc
+}
+ep_bench() {
+  torch_ext || return 1
+  xt -a "$1/bench.log" "${EP_BENCH_TIMEOUT:-500}" env SMOE_COMMIT="$COMMIT" torchrun --nproc_per_node 2 \
+    bench/baselines/ep_baseline.py --warmup "${EP_WARMUP:-2}" --reps "${EP_REPS:-7}" \
+    ${EP_CONFIGS:+--only "$EP_CONFIGS"} --systems "${EP_SYSTEMS:-torchtitan_a2a,ours_local_a2a,ours_ep}" \
+    --out "$1/ep_$COMMIT.json" ${EP_PROFILE:+--profile}; local rc=$?
+  dry || grep -E "^RESULT" "$1/bench.log" | cut -c1-400
+  return $rc
+}
+ep_overlap() {  # EpConfig::overlap: ours_ep at each level of EP_OVERLAPS
+  torch_ext || return 1
+  local ov rc=0
+  for ov in ${EP_OVERLAPS:-0 1}; do
+    xt -a "$1/overlap_$ov.log" "${EP_BENCH_TIMEOUT:-240}" env SMOE_EP_OVERLAP="$ov" SMOE_COMMIT="$COMMIT" \
+      torchrun --nproc_per_node 2 bench/baselines/ep_baseline.py --warmup "${EP_WARMUP:-2}" --reps "${EP_REPS:-7}" \
+      ${EP_CONFIGS:+--only "$EP_CONFIGS"} --systems ours_ep --out "$1/ep_overlap_${ov}_$COMMIT.json" || rc=1
+    dry || grep -E "^RESULT" "$1/overlap_$ov.log" | cut -c1-400
+  done
+  return $rc
+}
+ep_pkb() {  # issue 12: Parallel Kernel Bench-style tasks at each world size and scaling mode
+  torch_ext || return 1
+  local ng=$2 r sc rc=0 gpu="GPU"
+  for r in ${PKB_SIZES:-1 2 4 8}; do
+    [ "$r" -le "$ng" ] || continue
+    for sc in ${PKB_SCALING:-strong weak}; do
+      xt -a "$1/pkb_${sc}_$r.log" "${PKB_TIMEOUT:-300}" env SMOE_COMMIT="$COMMIT" torchrun --nproc_per_node "$r" \
+        bench/drivers/pkb_ep.py --scaling "$sc" --seeds "${PKB_SEEDS:-2}" ${EP_CONFIGS:+--only "$EP_CONFIGS"} \
+        --out "$1/pkb_${sc}_$r.json" || rc=1
+      dry || grep -E "^FAST@P" "$1/pkb_${sc}_$r.log"
+    done
+  done
+  dry || gpu="$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
+  x python3 bench/reports/pkb_report.py "$1"/pkb_*.json --out "$1/ep_scaling" --device "$ng x $gpu" \
+    --date "$(date +%F)" || rc=1
+  dry || head -12 "$1/ep_scaling.md" 2>/dev/null
+  return $rc
+}
+summary_ep() { body "$1" | grep -vE "^\+ " | head -60; }
+
+step_pytest() {
+  torch_ext || return 1
+  (cd /tmp && xt "${PYTEST_TIMEOUT:-300}" python3 -m pytest -q "$ROOT/tests/python" -p no:cacheprovider)
+}
+summary_pytest() { grep -E "passed|failed|skipped|^FAILED|^ERROR|Error|timed out|pip rc" "$1" | tail -15; }
+
+step_digest() {
+  if ! dry && [ ! -x "$BUILD/layer_digest" ]; then
+    say "no $BUILD/layer_digest: not built (no layer_digest target in this tree, or the build step did not run or failed)"
+    return 1
+  fi
+  xt -o "$OUT/digest.txt" "${DIGEST_TIMEOUT:-300}" "$BUILD/layer_digest"; local rc=$?
+  dry || say "digest: $(wc -l <"$OUT/digest.txt") lines in digest.txt"
+  return $rc
+}
+summary_digest() { body "$1" | grep -E "^digest: "; [ -s "$OUT/digest.txt" ] && head -n 20 "$OUT/digest.txt"; }
+
+# ---- run -----------------------------------------------------------------------------------------
+pack_out() {  # $OUT/00-all.tgz: everything under $OUT (the device tool returns 8 files at most)
+  dry && return 0
+  tar czf "$OUT/00-all.tgz.tmp" -C "$OUT" --exclude='00-all.tgz*' . 2>/dev/null &&
+    mv "$OUT/00-all.tgz.tmp" "$OUT/00-all.tgz"
+}
+on_signal() {
+  local pg
+  while read -r pg; do [ -n "$pg" ] && kill -9 -- "-$pg" 2>/dev/null; done <"$PGFILE" 2>/dev/null
+  : >"$PGFILE" 2>/dev/null
+  pack_out
+  exit 143
+}
+trap on_signal TERM INT
+trap 'rm -rf "$STATE"' EXIT
+
+say "device.sh: ${steps[*]}  (commit $COMMIT, build dir $BUILD, out ${OUT#"$ROOT"/}$(dry && echo ', dry run'))"
+if ! dry; then
+  end_leftovers
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader 2>/dev/null ||
+    say "(no nvidia-smi: not a GPU machine)"
+fi
+
+declare -A result
+failed=0
+for s in "${steps[@]}"; do
+  log="$OUT/$s.log"
+  header="==== $s ==== $(date -u +%FT%TZ)"
+  say ""
+  say "$header"
+  t=$(date +%s)
+  { say "$header"; "step_$s"; } >"$log" 2>&1
+  rc=$?
+  if dry; then tail -n +2 "$log"
+  elif declare -F "summary_$s" >/dev/null; then "summary_$s" "$log"
+  else body "$log" | tail -n 15; fi
+  # A failure shows the log's last lines too (a missing binary, a command's last words).
+  if ! dry && [ "$rc" != 0 ]; then say "-- last lines of $s.log:"; body "$log" | tail -n 8; fi
+  result[$s]="$([ "$rc" = 0 ] && echo ok || echo "FAILED (rc=$rc)")  $(( $(date +%s) - t )) s"
+  say "---- $s: ${result[$s]}  (log: ${log#"$ROOT"/})"
+  [ "$rc" = 0 ] || failed=1
+  pack_out
+done
+
+torch_ext_settle   # a background build no step waited for
+{
+  say "==== summary ($(( $(date +%s) - T0 )) s) ===="
+  for s in "${steps[@]}"; do printf '%-9s %s\n' "$s" "${result[$s]}"; done
+} | tee "$OUT/summary.txt"
+pack_out
+exit "$failed"

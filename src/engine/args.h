@@ -1,0 +1,58 @@
+// The engine's call arguments: one struct per grouping kind (varlen-M: rows grouped by expert;
+// varlen-K: a reduction over each expert's rows). The layouts are described in engine.h.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+#include "smoe/smoe.h"
+
+namespace smoe {
+namespace engine {
+
+enum class Epilogue { kStore, kSwiGLU, kDSwiGLU };
+enum class WeightMajor { kNK, kKN };
+
+struct VarlenMArgs {
+  int num_experts = 0;
+  int N = 0;
+  int K = 0;
+  int64_t rows = 0;                      // grouped rows (T*K)
+  const int32_t* expert_offset = nullptr;
+  const bf16* A = nullptr;               // [a_rows][K]
+  int64_t a_rows = 0;
+  const int32_t* gather_idx = nullptr;   // [rows]; null: A is the grouped rows themselves
+  const bf16* B = nullptr;
+  const bf16* B2 = nullptr;     // up-proj / dX~: the up weights w3 when gate/up are two tensors
+  bool halves = false;          // kSwiGLU / kDSwiGLU: H (and dH) in halves layout; set with B2
+  WeightMajor b_major = WeightMajor::kNK;
+  Epilogue epilogue = Epilogue::kStore;
+  bf16* D = nullptr;            // kStore: [rows][N]; kSwiGLU: H [rows][N]
+  bf16* D2 = nullptr;           // kSwiGLU: A [rows][N/2]; kDSwiGLU: A' [rows][N]
+  const bf16* H = nullptr;      // kDSwiGLU: [rows][2N]
+  bf16* dH = nullptr;           // kDSwiGLU: [rows][2N]
+  const float* scores = nullptr;       // kDSwiGLU: by flat (token, k) index
+  const int32_t* scatter = nullptr;    // kDSwiGLU: grouped row -> flat index
+  float* ds_partial = nullptr;         // kDSwiGLU: [rows][ds_partial_tiles(N)]
+};
+
+struct VarlenKArgs {
+  int num_experts = 0;
+  int M = 0;
+  int N = 0;
+  int64_t rows = 0;
+  const int32_t* expert_offset = nullptr;
+  const bf16* P = nullptr;
+  int64_t ld_p = 0;
+  const int32_t* gather_p = nullptr;  // at most one of gather_p / gather_q is non-null; the other
+                                      // operand's rows (both, if neither) are the grouped rows
+  const bf16* Q = nullptr;
+  int64_t ld_q = 0;
+  const int32_t* gather_q = nullptr;
+  bf16* D = nullptr;                  // [E][M][N]
+};
+
+}  // namespace engine
+}  // namespace smoe

@@ -1,0 +1,43 @@
+// The engine's tile heuristic: a pure function of the call's arguments, the device and the
+// overrides, returning the typed configuration to dispatch (config.h). No environment, no CUDA call:
+// CPU-tested (tests/cpu/test_engine_api.cpp). heuristic.cpp gives each rule with the measurement
+// behind it.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+
+#include "engine/args.h"
+#include "engine/config.h"
+#include "engine/overrides.h"
+
+namespace smoe {
+namespace engine {
+
+struct DeviceFacts {
+  int sm_count = 132;  // persistent grid size; the "waves" below count tiles per SM
+};
+
+// SwiGLU and store GEMMs with K up to this run ping-pong by default.
+constexpr int kPingPongMaxK = 2048;
+// 2-CTA clusters (B multicast) by default when one expert's weights exceed this (half the 50 MB
+// L2 of the H100 / H200) and the experts average at least this many rows.
+constexpr int64_t kClusterMinWeightBytes = int64_t{24} << 20;
+constexpr int kClusterMinRowsPerExpert = 512;
+// Ping-pong store GEMMs with K up to this stage their tile in shared memory for TMA stores
+// (EpiStoreStagedT, _pps) ...
+constexpr int kStagedStoreMaxK = 512;
+// ... in two slabs per warpgroup (a 64-row buffer, EpiStoreStagedT<2>, _pps2) up to this K.
+constexpr int kStagedStore2MaxK = 256;
+
+// nullopt: no built instantiation fits (only possible with overrides that force one away).
+std::optional<EngineConfig> choose_varlen_m(const VarlenMArgs& a, const DeviceFacts& dev, const Overrides& o);
+std::optional<EngineConfig> choose_varlen_k(const VarlenKArgs& a, const DeviceFacts& dev, const Overrides& o);
+
+// A gather_q call (Q gathered, P contiguous, D [E][M][N]) runs as its transpose: P' = Q gathered,
+// Q' = P contiguous, D'[e] = D[e]^T stored transposed. The gathered operand is then always the
+// kernel's A (the 128-wide tile side) and the contiguous one B (TMA, up to 256 wide).
+VarlenKArgs as_gather_p(const VarlenKArgs& a);
+
+}  // namespace engine
+}  // namespace smoe

@@ -1,0 +1,44 @@
+// The engine's switches (SMOE_ENGINE_*), parsed once from the environment into a typed struct that
+// the heuristic takes as an argument. For tuning sweeps and for the tests that run every
+// instantiation; unset, the heuristic decides. A forced choice applies where that instantiation is
+// built and is ignored where none is (the heuristic falls back as documented in heuristic.cpp).
+//   SMOE_ENGINE_SCHED=coop|pingpong|pingpong64   varlen-M schedule (pingpong64: the 64 x 256
+//                                                pairs of the gathered GEMMs, up-proj and dA')
+//   SMOE_ENGINE_BN_M=128|192|256                 varlen-M column tile
+//   SMOE_ENGINE_BN_K=128|256                     varlen-K column tile
+//   SMOE_ENGINE_CLUSTER=1|2                      varlen-M cluster along M (B multicast)
+//   SMOE_ENGINE_CLUSTER_K=1|2                    varlen-K cluster along M (Q multicast)
+//   SMOE_ENGINE_PP_MAX_K=<K>                     SwiGLU / store GEMMs run ping-pong up to this K
+//   SMOE_ENGINE_STAGED_STORE=0|1|2               ping-pong store GEMMs: not staged, one or two slabs
+//   SMOE_ENGINE_STORE_CS=0                       plain output stores instead of evict-first st.global.cs
+//   SMOE_ENGINE_PRINT=1                          print every choice to stderr
+#pragma once
+
+namespace smoe {
+namespace engine {
+
+enum class ForcedSched { kNone, kCoop, kPingPong, kPingPong64 };
+
+struct Overrides {
+  ForcedSched sched = ForcedSched::kNone;
+  int bn_m = 0;           // 0: the heuristic's
+  int bn_k = 0;
+  int cluster_m = 0;      // 0, 1 or 2
+  int cluster_k = 0;
+  int pingpong_max_k = -1;  // -1: kPingPongMaxK (heuristic.h)
+  int staged_store = -1;  // -1: by K (heuristic.h); 0, 1 or 2 forced
+  bool store_streaming = true;
+  bool print = false;
+};
+
+// Parse from a getenv-like lookup (null: unset). Unknown values leave that field at its default.
+Overrides parse_overrides(const char* (*lookup)(const char*));
+// The overrides every call uses: the environment's, parsed on first use.
+const Overrides& overrides();
+// Replace them (tests and tuners; not thread-safe against concurrent engine calls).
+void set_overrides(const Overrides& o);
+// set_overrides(parse_overrides(getenv)): after a test changed the environment.
+void reload_overrides_from_env();
+
+}  // namespace engine
+}  // namespace smoe
