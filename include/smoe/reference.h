@@ -204,6 +204,47 @@ void deinterleave_gate_up(const std::vector<double>& w1, int E, int n, int d,
                           std::vector<double>* gate, std::vector<double>* up);
 
 // ---------------------------------------------------------------------------------------------
+// The expert-major layer (smoe/expert_major.h): rows already grouped by expert, per-expert counts,
+// optional per-row probabilities, padding rows.
+// ---------------------------------------------------------------------------------------------
+// Rows of each expert: begin[e] = segment_offset[e] when segment_offset is given ([E+1]), else the
+// prefix sum of counts; expert e owns [begin[e], begin[e] + counts[e]). Returns false (and leaves
+// the outputs empty) when the counts break the rules the GPU checks: a negative count, a count past
+// its segment, a decreasing segment_offset, or rows past R.
+bool expert_major_rows_ref(const std::vector<int32_t>& counts, const std::vector<int32_t>& segment_offset,
+                           int64_t R, std::vector<int64_t>* begin, std::vector<int32_t>* row_expert);
+
+// row_expert[r] = the expert of row r, -1 for a padding row (from expert_major_rows_ref).
+struct ExpertMajorForward {
+  std::vector<double> h;    // [R][2n] interleaved like w1 (padding rows 0)
+  std::vector<double> a;    // [R][n]  SwiGLU(h)
+  std::vector<double> y;    // [R][d]  a W2_e^T (unscaled)
+  std::vector<double> out;  // [R][d]  p[r] * y[r] (p = 1 without probs); padding rows 0
+};
+// w: interleaved w1 (interleave_gate_up / concatenated_to_interleaved convert the other layouts);
+// s.T and s.K are ignored. probs empty: p = 1.
+ExpertMajorForward expert_major_forward_ref(const std::vector<double>& x, int64_t R, const MoEShape& s,
+                                            const MoEWeights& w, const std::vector<int32_t>& row_expert,
+                                            const std::vector<double>& probs);
+struct ExpertMajorGrads {
+  std::vector<double> dx;      // [R][d] (padding rows 0)
+  std::vector<double> dw1;     // [E][2n][d] interleaved
+  std::vector<double> dw2;     // [E][d][n]
+  std::vector<double> dprobs;  // [R] <dout[r], y[r]> (padding rows 0); empty without probs
+};
+// SonicMoE's rewrite as the GPU runs it: dA' = dout W2_e, A = SwiGLU(H), dH = dSwiGLU(H) of p dA',
+// A' = p A, dprobs = <dA', A>, dW2 = dout^T A', dW1 = dH^T x, dx = dH W1_e.
+ExpertMajorGrads expert_major_backward_ref(const std::vector<double>& x, const std::vector<double>& dout,
+                                           int64_t R, const MoEShape& s, const MoEWeights& w,
+                                           const std::vector<int32_t>& row_expert,
+                                           const std::vector<double>& probs, const ExpertMajorForward& f);
+
+// Megatron-Core / transformers' concatenated fc1 [E][2n][d] (rows [0, n) gate, [n, 2n) up) to the
+// interleaved layout, and back.
+std::vector<double> concatenated_to_interleaved(const std::vector<double>& w1_cat, int E, int n, int d);
+std::vector<double> interleaved_to_concatenated(const std::vector<double>& w1, int E, int n, int d);
+
+// ---------------------------------------------------------------------------------------------
 // Expert parallelism (EP): the deterministic layout, as the spec of the multi-GPU kernels
 // ---------------------------------------------------------------------------------------------
 // R ranks; expert e lives on rank e / (E/R) as its local expert e % (E/R) (E % R == 0). Rank s holds

@@ -1,6 +1,7 @@
 // Layouts of the saved state and the workspaces (see memory_plan.h).
 #include "moe/memory_plan.h"
 
+#include "common/hash.h"
 #include "common/workspace.h"
 #include "engine/engine.h"
 
@@ -32,13 +33,7 @@ uint64_t saved_shape_hash(const MoEShape& s, bool two_tensor) {
   // FNV-1a over the fields that change the saved layout or its meaning (H's column order included).
   const int64_t f[8] = {s.T, s.d, s.n, s.E, s.K, static_cast<int64_t>(s.router), static_cast<int64_t>(s.rounding),
                         two_tensor ? 1 : 0};
-  uint64_t h = 1469598103934665603ull;
-  for (int64_t v : f)
-    for (int b = 0; b < 8; ++b) {
-      h ^= (static_cast<uint64_t>(v) >> (8 * b)) & 0xff;
-      h *= 1099511628211ull;
-    }
-  return h;
+  return detail::fnv1a_fields(f, 8);
 }
 
 SavedLayout saved_layout(const MoEShape& s, void* base) {

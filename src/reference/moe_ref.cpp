@@ -1,6 +1,7 @@
 // float64 CPU reference: MoE layer with SwiGLU experts (forward, two backward methods, router).
 // See include/smoe/reference.h for the spec and the layouts.
 #include "smoe/reference.h"
+#include "expert_row.h"
 #include "ref_require.h"
 
 #include <stdexcept>
@@ -58,20 +59,7 @@ ExpertForward experts_forward_ref(const std::vector<double>& x, const MoEShape& 
       double* h = f.h.data() + row * 2 * n;
       double* a = f.a.data() + row * n;
       double* y = f.y.data() + row * d;
-      // H = x W1_e^T
-      for (int64_t c = 0; c < 2 * n; ++c) {
-        double acc = 0.0;
-        for (int64_t i = 0; i < d; ++i) acc += xt[i] * w1e[c * d + i];
-        h[c] = acc;
-      }
-      // A = silu(gate) * up
-      for (int64_t j = 0; j < n; ++j) a[j] = swiglu_ref(h[2 * j], h[2 * j + 1]);
-      // Y = A W2_e^T
-      for (int64_t i = 0; i < d; ++i) {
-        double acc = 0.0;
-        for (int64_t j = 0; j < n; ++j) acc += a[j] * w2e[i * n + j];
-        y[i] = acc;
-      }
+      detail::expert_row_forward(xt, w1e, w2e, d, n, h, a, y);  // H = x W1_e^T, A = SwiGLU(H), Y = A W2_e^T
     }
   }
 

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "smoe/reference.h"
+#include "ref_weights.h"
 #include "test_seed.h"
 
 using namespace smoe::ref;
@@ -20,13 +21,7 @@ namespace {
 using smoe_test::fresh_seed;
 using smoe_test::Rng;
 
-MoEWeights random_weights(Rng& rng, const MoEShape& s) {
-  MoEWeights w;
-  w.w_router = rng.normals(static_cast<int64_t>(s.E) * s.d, 1.0 / std::sqrt(s.d));
-  w.w1 = rng.normals(static_cast<int64_t>(s.E) * 2 * s.n * s.d, 1.0 / std::sqrt(s.d));
-  w.w2 = rng.normals(static_cast<int64_t>(s.E) * s.d * s.n, 1.0 / std::sqrt(s.n));
-  return w;
-}
+using smoe_test::random_weights;
 
 // True when every token's K-th and (K+1)-th logits differ by more than `gap`.
 bool topk_has_gap(const std::vector<double>& logits, int64_t T, int E, int K, double gap) {

@@ -1,0 +1,55 @@
+#include "expert_major/plan.h"
+
+#include "common/hash.h"
+#include "common/workspace.h"
+#include "engine/epilogue/dswiglu.h"
+
+namespace smoe {
+namespace expert_major {
+
+SavedLayout saved_layout(const ExpertMajorShape& s, void* base) {
+  const size_t R = static_cast<size_t>(s.rows);
+  detail::Carver c(base);
+  SavedLayout l;
+  l.stamp = c.take<plan::SavedStamp>(1);
+  l.h = c.take<bf16>(R * 2 * s.n);
+  l.row_begin = c.take<int32_t>(s.E);
+  l.row_count = c.take<int32_t>(s.E);
+  l.bytes = c.used();
+  return l;
+}
+
+ForwardWs forward_ws(const ExpertMajorShape& s, void* base) {
+  const size_t R = static_cast<size_t>(s.rows);
+  detail::Carver c(base);
+  ForwardWs w;
+  w.act = c.take<bf16>(R * s.n);
+  w.valid = c.take<int32_t>(1);
+  w.total = c.used();
+  return w;
+}
+
+BackwardWs backward_ws(const ExpertMajorShape& s, void* base) {
+  const size_t R = static_cast<size_t>(s.rows);
+  detail::Carver c(base);
+  BackwardWs w;
+  w.a_prime = c.take<bf16>(R * s.n);
+  w.dH = c.take<bf16>(R * 2 * s.n);
+  w.ds_partial = c.take<float>(R * engine::ds_partial_tiles(s.n));
+  w.identity = c.take<int32_t>(R);
+  w.dprobs = s.probs ? nullptr : c.take<float>(R);
+  w.ones = s.probs ? nullptr : c.take<float>(R);
+  w.valid = c.take<int32_t>(1);
+  w.total = c.used();
+  return w;
+}
+
+uint64_t saved_shape_hash(const ExpertMajorShape& s) {
+  // FNV-1a over every field that changes the saved layout or its meaning ("em" tags the layer).
+  const int64_t f[8] = {0x656d, s.rows, s.d, s.n, s.E, static_cast<int64_t>(s.gate_up), s.probs ? 1 : 0,
+                        s.segmented ? 1 : 0};
+  return detail::fnv1a_fields(f, 8);
+}
+
+}  // namespace expert_major
+}  // namespace smoe
