@@ -165,6 +165,26 @@ class SharedExperts(PackedGateUp):
         return out
 
 
+def _check_module_args(dim, hidden_dim, num_experts, top_k, aux_loss_coef, load_balance_coeff, num_shared_experts):
+    """The library's shape rules (moe_can_implement), checked when the module is built, not at its first call."""
+    def is_int(v):
+        return isinstance(v, int) and not isinstance(v, bool)
+    if not is_int(dim) or dim <= 0 or dim % 64 != 0:
+        raise ValueError(f"MoE: dim = {dim!r} must be a positive multiple of 64")
+    if not is_int(hidden_dim) or hidden_dim <= 0 or hidden_dim % 64 != 0:
+        raise ValueError(f"MoE: hidden_dim = {hidden_dim!r} must be a positive multiple of 64")
+    if not is_int(num_experts) or not 1 <= num_experts <= 512:
+        raise ValueError(f"MoE: num_experts = {num_experts!r} must be in [1, 512]")
+    if not is_int(top_k) or not 1 <= top_k <= min(num_experts, 16):
+        raise ValueError(f"MoE: top_k = {top_k!r} must be in [1, min(num_experts, 16)] = [1, {min(num_experts, 16)}]")
+    if not aux_loss_coef >= 0:
+        raise ValueError(f"MoE: aux_loss_coef = {aux_loss_coef!r} must be >= 0")
+    if load_balance_coeff is not None and not load_balance_coeff >= 0:
+        raise ValueError(f"MoE: load_balance_coeff = {load_balance_coeff!r} must be None or >= 0")
+    if not is_int(num_shared_experts) or num_shared_experts < 0:
+        raise ValueError(f"MoE: num_shared_experts = {num_shared_experts!r} must be an integer >= 0")
+
+
 class MoE(nn.Module):
     """Token-choice top-K MoE with SwiGLU experts on the smoe kernels (bf16 compute).
 
@@ -200,6 +220,7 @@ class MoE(nn.Module):
                  load_balance_coeff=None, token_rounding=None, bf16_logits=False, rounding_seed=0,
                  num_shared_experts=0, ep_group=None):
         super().__init__()
+        _check_module_args(dim, hidden_dim, num_experts, top_k, aux_loss_coef, load_balance_coeff, num_shared_experts)
         self.ep_group = ep_group
         if ep_group is not None:
             if (ep_group.E, ep_group.d, ep_group.n, ep_group.K) != (num_experts, dim, hidden_dim, top_k):
@@ -244,6 +265,11 @@ class MoE(nn.Module):
         tpe.zero_()
 
     def forward(self, x):
+        if x.dim() == 0 or x.shape[-1] != self.dim:
+            raise ValueError(f"MoE: x's last dimension is {tuple(x.shape)[-1:] or '()'} but this module has dim = "
+                             f"{self.dim} (x must be [..., {self.dim}])")
+        if not self.training:
+            self.aux_loss = None  # evaluation adds no loss and counts nothing
         shape = x.shape
         x2 = x.reshape(-1, self.dim).to(torch.bfloat16).contiguous()
         # The kernels' gate/up operands with no copy: the interleaved view of the packed pair, else the
@@ -263,7 +289,7 @@ class MoE(nn.Module):
                 out = ep_moe(self.ep_group, x2, idx, sc, w1, w2)
             else:
                 out = moe_routed(x2, w1, w2, idx, sc, validate=False, w3=w3)
-            if self.expert_bias is not None or self.aux_loss_coef > 0:
+            if self.training and (self.expert_bias is not None or self.aux_loss_coef > 0):
                 counts = torch.bincount(idx.reshape(-1).long(), minlength=self.num_experts).float()
                 if self.expert_bias is not None:
                     self.tokens_per_expert.add_(counts)
@@ -272,14 +298,14 @@ class MoE(nn.Module):
                     self.aux_loss = self.aux_loss_coef * self.num_experts * (f * probs.mean(dim=0)).sum()
         else:
             wr = self.router.gate.weight.to(torch.bfloat16)
-            if self.token_rounding is not None:
+            if self.token_rounding is not None and self.training:  # evaluation is top-K (SonicMoE's TR)
                 mode = ROUNDING_MODES[self.token_rounding]
                 out, saved = ops.moe_forward_tr(x2, wr, w1, w2, self.top_k, mode, self.rounding_seed, w3)
                 router, rounding = _layout.ROUTER_TOKEN_ROUNDING, mode
             else:
                 out, saved = ops.moe_forward(x2, wr, w1, w2, self.top_k, w3)
                 router, rounding = _layout.ROUTER_TOPK_SOFTMAX, 0
-            if self.aux_loss_coef > 0:
+            if self.aux_loss_coef > 0 and self.training:
                 # f from the routing's own counts (no second top-K); P needs the softmax over E.
                 T = x2.shape[0]
                 counts = _C.saved_expert_frequency(saved, T, self.dim, self.hidden_dim, self.num_experts,

@@ -567,3 +567,55 @@ def test_topk_routing_op_checks_top_k_before_casting():
     logits = torch.randn(16, 8, device="cuda")
     with pytest.raises(RuntimeError, match="top_k = 4294967298"):
         torch.ops.smoe.topk_routing(logits, 2 ** 32 + 2)
+
+
+@pytest.mark.parametrize("kw, mentions", [
+    (dict(dim=100), "dim = 100"),
+    (dict(hidden_dim=96), "hidden_dim = 96"),
+    (dict(num_experts=0), "num_experts = 0"),
+    (dict(num_experts=513), "num_experts = 513"),
+    (dict(top_k=0), "top_k = 0"),
+    (dict(top_k=9, num_experts=8), "top_k = 9"),
+    (dict(top_k=17, num_experts=64), "top_k = 17"),
+    (dict(aux_loss_coef=-1.0), "aux_loss_coef"),
+    (dict(load_balance_coeff=-1e-3), "load_balance_coeff"),
+    (dict(num_shared_experts=-1), "num_shared_experts"),
+])
+def test_module_arguments_checked_at_construction(kw, mentions):
+    args = dict(dim=128, hidden_dim=64, num_experts=8, top_k=2)
+    args.update(kw)
+    with pytest.raises(ValueError, match=mentions):
+        smoe_torch.MoE(**args)
+
+
+def test_wrong_input_width_names_the_expected_dim():
+    m = smoe_torch.MoE(128, 64, 8, 2).cuda()
+    x = torch.randn(4, 96, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="dim = 128"):
+        m(x)
+
+
+def test_eval_counts_nothing_and_does_no_token_rounding():
+    torch.manual_seed(0)
+    d, n, E, K, T = 128, 64, 8, 2, 300
+    # expert_bias counting and the aux loss only in training
+    m = smoe_torch.MoE(d, n, E, K, load_balance_coeff=1e-3, aux_loss_coef=1e-2).cuda()
+    x = torch.randn(T, d, device="cuda", dtype=torch.bfloat16)
+    m.train()
+    m(x)
+    counted = m.tokens_per_expert.clone()
+    assert counted.sum().item() == T * K and m.aux_loss is not None
+    m.eval()
+    with torch.no_grad():
+        m(x)
+    assert torch.equal(m.tokens_per_expert, counted) and m.aux_loss is None
+    # token rounding trains with TR and evaluates with plain top-K: the same output as a top-K module
+    tr = smoe_torch.MoE(d, n, E, K, token_rounding="nr").cuda()
+    topk = smoe_torch.MoE(d, n, E, K).cuda()
+    topk.load_state_dict(tr.state_dict())
+    tr.eval()
+    topk.eval()
+    with torch.no_grad():
+        assert torch.equal(tr(x), topk(x))
+        tr.train()
+        assert not torch.equal(tr(x), topk(x))  # T*K = 600 rows over 8 experts: TR changes the rows
