@@ -165,6 +165,12 @@ class SharedExperts(PackedGateUp):
         return out
 
 
+def _in_backward():
+    """True while the autograd engine runs a backward (where activation checkpointing recomputes)."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
+
+
 def _check_module_args(dim, hidden_dim, num_experts, top_k, aux_loss_coef, load_balance_coeff, num_shared_experts):
     """The library's shape rules (moe_can_implement), checked when the module is built, not at its first call."""
     def is_int(v):
@@ -196,8 +202,11 @@ class MoE(nn.Module):
             K chosen) runs the library's fused router; every other choice routes in torch and runs
             the experts through caller-provided routing (moe_routed), gradients included.
         load_balance_coeff: if not None, keep an `expert_bias` buffer (selection only) and count
-            `tokens_per_expert`; call update_expert_bias() after the optimizer step (DeepSeek-V3's
-            auxiliary-loss-free balancing).
+            `tokens_per_expert` (in training, once per forward: an activation-checkpointing recompute
+            does not count again); call update_expert_bias() after the optimizer step (DeepSeek-V3's
+            auxiliary-loss-free balancing). The counts are summed over `dp_group` first (default:
+            the default process group when torch.distributed is initialised), so every
+            data-parallel rank makes the same update.
         token_rounding: None or "nr" | "up" | "down" | "sr" (SonicMoE TR, fused router only).
         num_shared_experts: > 0 adds `shared_experts` (SharedExperts, hidden hidden_dim * count),
             applied to every token and added to the routed output.
@@ -218,7 +227,7 @@ class MoE(nn.Module):
     def __init__(self, dim, hidden_dim, num_experts, top_k, aux_loss_coef=0.0, score_func="softmax",
                  route_norm=True, route_scale=1.0, num_expert_groups=None, num_limited_groups=None,
                  load_balance_coeff=None, token_rounding=None, bf16_logits=False, rounding_seed=0,
-                 num_shared_experts=0, ep_group=None):
+                 num_shared_experts=0, ep_group=None, dp_group=None):
         super().__init__()
         _check_module_args(dim, hidden_dim, num_experts, top_k, aux_loss_coef, load_balance_coeff, num_shared_experts)
         self.ep_group = ep_group
@@ -240,6 +249,7 @@ class MoE(nn.Module):
             raise ValueError(f"token_rounding must be None, 'nr', 'up', 'down' or 'sr' (got {token_rounding!r})")
         self.token_rounding, self.bf16_logits, self.rounding_seed = token_rounding, bf16_logits, rounding_seed
         self.load_balance_coeff = load_balance_coeff
+        self.dp_group = dp_group
         if load_balance_coeff is not None:
             self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32), persistent=True)
             self.register_buffer("tokens_per_expert", torch.zeros(num_experts, dtype=torch.float32), persistent=False)
@@ -260,6 +270,8 @@ class MoE(nn.Module):
         if self.load_balance_coeff is None:
             return
         tpe = self.tokens_per_expert
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(tpe, group=self.dp_group)  # the same counts, so the same bias, on every rank
         self.expert_bias.add_(self.load_balance_coeff * torch.sign(tpe.mean() - tpe))
         self.expert_bias.sub_(self.expert_bias.mean())
         tpe.zero_()
@@ -291,7 +303,7 @@ class MoE(nn.Module):
                 out = moe_routed(x2, w1, w2, idx, sc, validate=False, w3=w3)
             if self.training and (self.expert_bias is not None or self.aux_loss_coef > 0):
                 counts = torch.bincount(idx.reshape(-1).long(), minlength=self.num_experts).float()
-                if self.expert_bias is not None:
+                if self.expert_bias is not None and not _in_backward():  # a checkpoint's recompute runs in backward
                     self.tokens_per_expert.add_(counts)
                 if self.aux_loss_coef > 0:
                     f = counts / max(idx.numel(), 1)

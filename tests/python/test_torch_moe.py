@@ -619,3 +619,49 @@ def test_eval_counts_nothing_and_does_no_token_rounding():
         assert torch.equal(tr(x), topk(x))
         tr.train()
         assert not torch.equal(tr(x), topk(x))  # T*K = 600 rows over 8 experts: TR changes the rows
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_expert_bias_counts_once_under_activation_checkpointing(reentrant):
+    torch.manual_seed(0)
+    d, n, E, K, T = 128, 64, 8, 2, 256
+    m = smoe_torch.MoE(d, n, E, K, load_balance_coeff=1e-3).cuda()
+    x = torch.randn(T, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    out = torch.utils.checkpoint.checkpoint(m, x, use_reentrant=reentrant)
+    out.float().sum().backward()  # the recompute inside backward must not count again
+    assert m.tokens_per_expert.sum().item() == T * K
+    assert x.grad is not None and m.router.gate.weight.grad is not None
+
+
+_DP_SCRIPT = r"""
+import json, sys, torch, torch.distributed as dist
+import smoe_torch
+rank, world, path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+dist.init_process_group("gloo", init_method="file://" + path, rank=rank, world_size=world)
+m = smoe_torch.MoE(128, 64, 8, 2, load_balance_coeff=0.1)
+m.tokens_per_expert.copy_(torch.arange(8, dtype=torch.float32) * (1 + 3 * rank))  # different local loads
+m.update_expert_bias()
+print(json.dumps({"bias": m.expert_bias.tolist(), "tpe": m.tokens_per_expert.tolist()}))
+dist.destroy_process_group()
+"""
+
+
+def test_update_expert_bias_all_reduces_over_data_parallel_ranks(tmp_path):
+    """Two data-parallel ranks (gloo, CPU buffers) with different local counts make one update."""
+    import json
+    import subprocess
+    import sys
+    store = tmp_path / "store"
+    procs = [subprocess.Popen([sys.executable, "-c", _DP_SCRIPT, str(r), "2", str(store)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    res = []
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        res.append(json.loads(out.strip().splitlines()[-1]))
+    assert res[0]["bias"] == res[1]["bias"]
+    total = torch.arange(8, dtype=torch.float32) * (1 + 4)  # rank 0 x1 + rank 1 x4
+    want = 0.1 * torch.sign(total.mean() - total)
+    want = want - want.mean()
+    assert torch.allclose(torch.tensor(res[0]["bias"]), want)
+    assert res[0]["tpe"] == [0.0] * 8  # counts reset after the update
