@@ -17,13 +17,6 @@ namespace {
 
 bool wide_tiles_fill(int64_t tiles_at_256, const DeviceFacts& dev) { return tiles_at_256 >= 2 * dev.sm_count; }
 
-Kind varlen_m_kind(const VarlenMArgs& a) {
-  return a.epilogue == Epilogue::kSwiGLU    ? Kind::up_swiglu
-         : a.epilogue == Epilogue::kDSwiGLU ? Kind::da_dswiglu
-         : a.b_major == WeightMajor::kNK    ? Kind::down_store
-                                            : Kind::dx_store;
-}
-
 // Staged stores (EpiStoreStagedT, _pps / _pps2) for a ping-pong store GEMM with this K: 0 (none),
 // 1 (one 32-row slab per warpgroup) or 2 (two, a 64-row buffer). Measured on the H200 at 6682527:
 // the short-K GEMMs gain 3-11% (K = n = 256: down-proj 30B n256 2.58 vs 2.86-2.95 ms; K = 2n = 512:
@@ -52,7 +45,7 @@ std::optional<EngineConfig> built_varlen_m(Kind kind, bool pp, int bn, int clust
 }  // namespace
 
 std::optional<EngineConfig> choose_varlen_m(const VarlenMArgs& a, const DeviceFacts& dev, const Overrides& o) {
-  const Kind kind = varlen_m_kind(a);
+  const Kind kind = kind_of(a);
   const bool store = a.epilogue == Epilogue::kStore;
   const int64_t tiles256 = (a.rows / 128) * (a.N / 256);
   // Cluster of 2 along M (B multicast) when one expert's weight matrix is larger than half the
@@ -116,6 +109,16 @@ std::optional<EngineConfig> choose_varlen_m(const VarlenMArgs& a, const DeviceFa
   return std::nullopt;
 }
 
+Kind kind_of(const VarlenMArgs& a) {
+  return a.epilogue == Epilogue::kSwiGLU    ? Kind::up_swiglu
+         : a.epilogue == Epilogue::kDSwiGLU ? Kind::da_dswiglu
+         : a.b_major == WeightMajor::kNK    ? Kind::down_store
+                                            : Kind::dx_store;
+}
+Kind kind_of(const VarlenKArgs& a) {
+  return !a.gather_p && !a.gather_q ? Kind::dw_tma : a.gather_p ? Kind::dw_gather_p : Kind::dw_gather_p_t;
+}
+
 VarlenKArgs as_gather_p(const VarlenKArgs& a) {
   if (a.gather_p || !a.gather_q) return a;  // P gathered, or neither (both by TMA, as given)
   VarlenKArgs t = a;
@@ -139,7 +142,7 @@ std::optional<EngineConfig> choose_varlen_k(const VarlenKArgs& a_in, const Devic
   // need an even M-tile count (otherwise a quarter or more of the last pair's work is padding) and
   // are built for BN = 256 only (a forced cluster of 2 is ignored at BN = 128).
   const bool c2 = wide && (o.cluster_k ? o.cluster_k == 2 : m_tiles % 2 == 0);
-  const Kind kind = !a_in.gather_p && !a_in.gather_q ? Kind::dw_tma : a_in.gather_p ? Kind::dw_gather_p : Kind::dw_gather_p_t;
+  const Kind kind = kind_of(a_in);
   const EngineConfig c{kind, Sched::kCoop, wide ? 256 : 128, c2 ? 2 : 1};
   if (is_built(c)) return c;
   return std::nullopt;

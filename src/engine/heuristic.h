@@ -34,6 +34,10 @@ constexpr int kStagedStore2MaxK = 256;
 std::optional<EngineConfig> choose_varlen_m(const VarlenMArgs& a, const DeviceFacts& dev, const Overrides& o);
 std::optional<EngineConfig> choose_varlen_k(const VarlenKArgs& a, const DeviceFacts& dev, const Overrides& o);
 
+// The instantiation family a call needs (its operands, epilogue and majors).
+Kind kind_of(const VarlenMArgs& a);
+Kind kind_of(const VarlenKArgs& a);  // of the call as given (dw_gather_p_t for a Q-gathered one)
+
 // A gather_q call (Q gathered, P contiguous, D [E][M][N]) runs as its transpose: P' = Q gathered,
 // Q' = P contiguous, D'[e] = D[e]^T stored transposed. The gathered operand is then always the
 // kernel's A (the 128-wide tile side) and the contiguous one B (TMA, up to 256 wide).

@@ -44,6 +44,7 @@ Overrides parse_overrides(const char* (*lookup)(const char*)) {
   o.store_streaming = !is(lookup("SMOE_ENGINE_STORE_CS"), "0");
   const char* p = lookup("SMOE_ENGINE_PRINT");
   o.print = p != nullptr && p[0] != '\0' && p[0] != '0';
+  o.tune = !is(lookup("SMOE_ENGINE_TUNE"), "0");
   return o;
 }
 

@@ -11,7 +11,8 @@
 //   SMOE_ENGINE_PP_MAX_K=<K>                     SwiGLU / store GEMMs run ping-pong up to this K
 //   SMOE_ENGINE_STAGED_STORE=0|1|2               ping-pong store GEMMs: not staged, one or two slabs
 //   SMOE_ENGINE_STORE_CS=0                       plain output stores instead of evict-first st.global.cs
-//   SMOE_ENGINE_PRINT=1                          print every choice to stderr
+//   SMOE_ENGINE_PRINT=1                          print every choice to stderr (and where it came from)
+//   SMOE_ENGINE_TUNE=0                           ignore the measured choices (tune_cache.h)
 #pragma once
 
 namespace smoe {
@@ -29,6 +30,12 @@ struct Overrides {
   int staged_store = -1;  // -1: by K (heuristic.h); 0, 1 or 2 forced
   bool store_streaming = true;
   bool print = false;
+  bool tune = true;  // use the measured choices of the tune cache where it has the call's key
+  // Whether any field forces a choice (then the cache is not consulted: the override decides).
+  bool forces() const {
+    return sched != ForcedSched::kNone || bn_m || bn_k || cluster_m || cluster_k || pingpong_max_k >= 0 ||
+           staged_store >= 0;
+  }
 };
 
 // Parse from a getenv-like lookup (null: unset). Unknown values leave that field at its default.

@@ -11,6 +11,7 @@
 #include "engine/engine.h"
 #include "engine/heuristic.h"
 #include "engine/overrides.h"
+#include "engine/tune_cache.h"
 
 namespace eng = smoe::engine;
 
@@ -384,4 +385,125 @@ TEST(EngineApi, HeuristicReturnsBuiltConfigs) {
   EXPECT_GT(checked, 1000);
   EXPECT_EQ(eng::to_string(cfg("da_dswiglu_pp64_c2<256>")), "da_dswiglu_pp64_c2<256>");
   EXPECT_FALSE(eng::is_built(eng::EngineConfig{Kind::da_dswiglu, Sched::kPingPongStaged, 128, 1}));
+}
+
+// The tuner's host side: keys, the configuration labels, the cache and its JSON file.
+TEST(EngineTuneCache, KeysBucketRowsAndFollowTheKernelsView) {
+  EXPECT_EQ(eng::rows_bucket(0, 8), 0);
+  EXPECT_EQ(eng::rows_bucket(8 * 1, 8), 0);
+  EXPECT_EQ(eng::rows_bucket(8 * 2, 8), 1);
+  EXPECT_EQ(eng::rows_bucket(8 * 1023, 8), 9);
+  EXPECT_EQ(eng::rows_bucket(8 * 1024, 8), 10);
+  auto a = good_m();
+  a.num_experts = 64;
+  a.rows = 64 * 600;
+  const eng::TuneKey k1 = eng::tune_key(a, 132);
+  a.rows = 64 * 1000;  // the same power-of-two bucket: the same key
+  EXPECT_TRUE(eng::tune_key(a, 132) == k1);
+  a.rows = 64 * 1100;
+  EXPECT_FALSE(eng::tune_key(a, 132) == k1);
+  EXPECT_FALSE(eng::tune_key(a, 114) == eng::tune_key(a, 132));  // another machine
+  a.halves = true;
+  EXPECT_FALSE(eng::tune_key(a, 132) == eng::tune_key(good_m(), 132));
+  // A Q-gathered varlen-K call is keyed as the kernel runs it (transposed).
+  eng::VarlenKArgs k;
+  k.num_experts = 16;
+  k.M = 512;
+  k.N = 2048;
+  k.rows = 16 * 100;
+  k.gather_q = fake<const int32_t>(0x60000);
+  const eng::TuneKey kk = eng::tune_key(k, 132);
+  EXPECT_EQ(kk.kind, Kind::dw_gather_p_t);
+  EXPECT_EQ(kk.N, 512);
+  EXPECT_EQ(kk.K, 2048);
+}
+
+TEST(EngineTuneCache, LabelsParseBackToTheirConfigs) {
+  int built = 0;
+  for (Kind k : {Kind::up_swiglu, Kind::down_store, Kind::dx_store, Kind::da_dswiglu, Kind::dw_gather_p,
+                 Kind::dw_gather_p_t, Kind::dw_tma})
+    for (Sched s : {Sched::kCoop, Sched::kPingPong, Sched::kPingPongStaged, Sched::kPingPongStaged2, Sched::kPingPong64})
+      for (int bn : {128, 192, 256})
+        for (int c : {1, 2}) {
+          const eng::EngineConfig cfg{k, s, bn, c};
+          const auto back = eng::parse_config(eng::to_string(cfg));
+          ASSERT_TRUE(back.has_value()) << eng::to_string(cfg);
+          EXPECT_TRUE(*back == cfg) << eng::to_string(cfg);
+          built += eng::is_built(cfg);
+        }
+  EXPECT_EQ(built, 39);  // the instance list (SMOE_ENGINE_SPECS)
+  EXPECT_FALSE(eng::parse_config("down_store<100>").has_value());
+  EXPECT_FALSE(eng::parse_config("up_swiglu_n2<192>").has_value());
+  EXPECT_FALSE(eng::parse_config("").has_value());
+}
+
+TEST(EngineTuneCache, StoresOnlyFittingBuiltConfigsAndRoundTrips) {
+  eng::TuneCache c;
+  auto a = good_m();
+  a.epilogue = eng::Epilogue::kSwiGLU;
+  a.gather_idx = fake<const int32_t>(0x70000);
+  a.N = 1024;
+  a.K = 2048;
+  const eng::TuneKey up = eng::tune_key(a, 132);
+  EXPECT_FALSE(c.put(up, cfg("down_store_pp<192>")));  // another kind
+  EXPECT_FALSE(c.put(up, eng::EngineConfig{Kind::up_swiglu, Sched::kPingPongStaged, 128, 1}));  // not built
+  EXPECT_TRUE(c.put(up, cfg("up_swiglu_pp64_c2<256>")));
+  eng::VarlenKArgs k;
+  k.num_experts = 8;
+  k.M = 1024;
+  k.N = 768;
+  k.rows = 8000;
+  k.gather_p = fake<const int32_t>(0x60000);
+  const eng::TuneKey dw = eng::tune_key(k, 132);
+  EXPECT_TRUE(c.put(dw, cfg("dw_gather_p<128>")));
+  EXPECT_EQ(c.size(), 2u);
+  EXPECT_TRUE(*c.get(up) == cfg("up_swiglu_pp64_c2<256>"));
+  EXPECT_FALSE(c.get(eng::tune_key(good_m(), 132)).has_value());
+  // The file: the same cache, the same text; read back, the same choices.
+  const std::string json = c.to_json();
+  eng::TuneCache d;
+  ASSERT_TRUE(d.merge_json(json)) << json;
+  EXPECT_EQ(d.to_json(), json);
+  EXPECT_TRUE(*d.get(dw) == cfg("dw_gather_p<128>"));
+  EXPECT_TRUE(d.merge_json("[]"));
+  EXPECT_EQ(d.size(), 2u);
+  // Corrupt text: nothing added. A configuration this build lacks: that entry skipped.
+  eng::TuneCache e;
+  EXPECT_FALSE(e.merge_json(json.substr(0, json.size() / 2)));
+  EXPECT_FALSE(e.merge_json("{\"kind\": \"up_swiglu\"}"));
+  EXPECT_FALSE(e.merge_json("[{\"kind\": \"up_swiglu\", \"N\": 1024, \"K\": 2048, \"E\": 8, \"rows_bucket\": 6, "
+                            "\"halves\": false, \"sm_count\": 132, \"config\": \"up_swiglu<999>\"}]"));
+  EXPECT_EQ(e.size(), 0u);
+  EXPECT_TRUE(e.merge_json("[{\"kind\": \"up_swiglu\", \"N\": 1024, \"K\": 2048, \"E\": 8, \"rows_bucket\": 6, "
+                           "\"halves\": false, \"sm_count\": 132, \"config\": \"up_swiglu_pps<128>\"}]"));
+  EXPECT_EQ(e.size(), 0u);  // parsed, but no such instance here
+}
+
+TEST(EngineTuneCache, PathAndSwitches) {
+  auto none = [](const char*) -> const char* { return nullptr; };
+  EXPECT_EQ(eng::tune_cache_path(none), "");
+  EXPECT_EQ(eng::tune_cache_path([](const char* k) -> const char* {
+              return std::string(k) == "HOME" ? "/home/u" : nullptr;
+            }),
+            "/home/u/.cache/smoe/engine_tune.json");
+  EXPECT_EQ(eng::tune_cache_path([](const char* k) -> const char* {
+              const std::string n = k;
+              return n == "HOME" ? "/home/u" : n == "XDG_CACHE_HOME" ? "/c" : nullptr;
+            }),
+            "/c/smoe/engine_tune.json");
+  EXPECT_EQ(eng::tune_cache_path([](const char* k) -> const char* {
+              const std::string n = k;
+              return n == "SMOE_ENGINE_TUNE_CACHE" ? "/x/t.json" : n == "HOME" ? "/home/u" : nullptr;
+            }),
+            "/x/t.json");
+  const eng::Overrides def = eng::parse_overrides(none);
+  EXPECT_TRUE(def.tune);
+  EXPECT_FALSE(def.forces());
+  const eng::Overrides off = eng::parse_overrides([](const char* k) -> const char* {
+    return std::string(k) == "SMOE_ENGINE_TUNE" ? "0" : nullptr;
+  });
+  EXPECT_FALSE(off.tune);
+  eng::Overrides f;
+  f.bn_k = 256;
+  EXPECT_TRUE(f.forces());
 }

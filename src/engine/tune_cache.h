@@ -1,0 +1,69 @@
+// Measured per-shape choices (issue 37's tuner), host side: the key a GEMM call is tuned under, an
+// in-memory cache of the winning configuration per key, and its JSON file. The measuring itself (run
+// each built candidate of a key on the device, keep the fastest) is the tuner's device side; this
+// file is what makes its results deterministic and reusable: identical keys give identical choices,
+// the file round-trips exactly, and a missing, corrupt or stale entry falls back to the heuristic.
+//   SMOE_ENGINE_TUNE=0              ignore the cache (heuristic only)
+//   SMOE_ENGINE_TUNE_CACHE=<path>   the JSON file (default: $XDG_CACHE_HOME/smoe/engine_tune.json,
+//                                   else $HOME/.cache/smoe/engine_tune.json)
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <tuple>
+
+#include "engine/args.h"
+#include "engine/config.h"
+
+namespace smoe {
+namespace engine {
+
+// What a choice depends on: the GEMM (kind: operands, epilogue, majors), its extents, the experts,
+// the rows per expert (log2 bucket: the tile-count regime, not the exact count, so one key serves a
+// training run whose counts move every step), the gate/up layout and the machine.
+struct TuneKey {
+  Kind kind = Kind::down_store;
+  int N = 0;
+  int K = 0;  // varlen-M: K; varlen-K: M (the kernel's, after a Q-gathered call's transpose)
+  int E = 0;
+  int rows_bucket = 0;  // floor(log2(max(1, rows / E)))
+  bool halves = false;  // two-tensor gate/up (H in halves)
+  int sm_count = 0;
+  bool operator<(const TuneKey& o) const {
+    return std::tie(kind, N, K, E, rows_bucket, halves, sm_count) <
+           std::tie(o.kind, o.N, o.K, o.E, o.rows_bucket, o.halves, o.sm_count);
+  }
+  bool operator==(const TuneKey& o) const { return !(*this < o) && !(o < *this); }
+};
+
+int rows_bucket(int64_t rows, int E);
+TuneKey tune_key(const VarlenMArgs& a, int sm_count);
+TuneKey tune_key(const VarlenKArgs& a, int sm_count);  // keyed on the transposed form of a Q-gathered call
+
+// The inverse of to_string (config.h), for reading the cache file; nullopt for anything else.
+std::optional<EngineConfig> parse_config(const std::string& label);
+
+class TuneCache {
+ public:
+  // A configuration that does not fit the key's kind, or is not built, is not stored (false).
+  bool put(const TuneKey& k, const EngineConfig& c);
+  std::optional<EngineConfig> get(const TuneKey& k) const;
+  size_t size() const { return map_.size(); }
+  // One JSON object per entry, sorted by key, in a JSON array: the same cache gives the same text.
+  std::string to_json() const;
+  // Entries of `json` (a to_json text) added; false (and nothing added) when the text does not parse.
+  // Entries naming a configuration this build lacks are skipped (a cache from another build).
+  bool merge_json(const std::string& json);
+
+ private:
+  std::map<TuneKey, EngineConfig> map_;
+};
+
+// Where the cache file lives (SMOE_ENGINE_TUNE_CACHE, else the user cache directory); empty when
+// neither the variable nor a home directory is known.
+std::string tune_cache_path(const char* (*lookup)(const char*));
+
+}  // namespace engine
+}  // namespace smoe
