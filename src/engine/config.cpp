@@ -13,19 +13,6 @@ constexpr EngineConfig kBuilt[] = {
 };
 #undef SMOE_ENGINE_INSTANCE
 
-const char* kind_name(Kind k) {
-  switch (k) {
-    case Kind::up_swiglu: return "up_swiglu";
-    case Kind::down_store: return "down_store";
-    case Kind::dx_store: return "dx_store";
-    case Kind::da_dswiglu: return "da_dswiglu";
-    case Kind::dw_gather_p: return "dw_gather_p";
-    case Kind::dw_gather_p_t: return "dw_gather_p_t";
-    case Kind::dw_tma: return "dw_tma";
-  }
-  return "?";
-}
-
 const char* sched_suffix(Sched s) {
   switch (s) {
     case Sched::kCoop: return "";
@@ -38,6 +25,19 @@ const char* sched_suffix(Sched s) {
 }
 
 }  // namespace
+
+const char* kind_name(Kind k) {
+  switch (k) {
+    case Kind::up_swiglu: return "up_swiglu";
+    case Kind::down_store: return "down_store";
+    case Kind::dx_store: return "dx_store";
+    case Kind::da_dswiglu: return "da_dswiglu";
+    case Kind::dw_gather_p: return "dw_gather_p";
+    case Kind::dw_gather_p_t: return "dw_gather_p_t";
+    case Kind::dw_tma: return "dw_tma";
+  }
+  return "?";
+}
 
 bool is_built(const EngineConfig& c) {
   for (const EngineConfig& b : kBuilt)

@@ -42,7 +42,9 @@ struct EngineConfig {
 
 // Whether the build has this instantiation (the generated list).
 bool is_built(const EngineConfig& c);
-// For messages and SMOE_ENGINE_PRINT only (never matched): "down_store_pps2_c2<192>".
+// The kind's name as the instance list spells it ("down_store").
+const char* kind_name(Kind k);
+// For messages, SMOE_ENGINE_PRINT and the tune cache file (never matched): "down_store_pps2_c2<192>".
 std::string to_string(const EngineConfig& c);
 
 }  // namespace engine

@@ -102,6 +102,18 @@ std::optional<EngineConfig> choose(const Args& a, int sm_count, const Overrides&
     return choose_varlen_k(a, DeviceFacts{sm_count}, o);
 }
 
+// The instantiation of a choice, run; kNotImplemented (saying which) where none is built.
+template <class Args, size_t N>
+Status run_choice(const Entry<Args> (&table)[N], const std::optional<EngineConfig>& c, const Args& a, int sm_count,
+                  cudaStream_t stream, const char* fn) {
+  const Entry<Args>* e = c ? find(table, *c) : nullptr;
+  if (e == nullptr)
+    return detail::make_status(StatusCode::kNotImplemented,
+                               detail::concat(fn, ": no instantiation ", c ? to_string(*c) : "(none)",
+                                              " for this shape and the SMOE_ENGINE_* switches"));
+  return e->run(a, sm_count, stream);
+}
+
 }  // namespace
 
 Status varlen_m(const VarlenMArgs& a, int sm_count, cudaStream_t stream) {
@@ -114,11 +126,7 @@ Status varlen_m(const VarlenMArgs& a, int sm_count, cudaStream_t stream) {
     std::fprintf(stderr, "[smoe engine] varlen_m %s (%s) rows=%lld N=%d K=%d E=%d gather=%d grid<=%d\n",
                  c ? to_string(*c).c_str() : "(none)", from, static_cast<long long>(a.rows), a.N, a.K, a.num_experts,
                  a.gather_idx != nullptr, sm_count);
-  const Entry<VarlenMArgs>* e = c ? find(kTableM, *c) : nullptr;
-  if (e == nullptr)
-    return detail::make_status(StatusCode::kNotImplemented,
-                               "engine::varlen_m: no instantiation for this shape and the SMOE_ENGINE_* switches");
-  return e->run(a, sm_count, stream);
+  return run_choice(kTableM, c, a, sm_count, stream, "engine::varlen_m");
 }
 
 Status varlen_k(const VarlenKArgs& a, int sm_count, cudaStream_t stream) {
@@ -130,11 +138,7 @@ Status varlen_k(const VarlenKArgs& a, int sm_count, cudaStream_t stream) {
     std::fprintf(stderr, "[smoe engine] varlen_k %s (%s) rows=%lld M=%d N=%d E=%d gather=(%d,%d) grid<=%d\n",
                  c ? to_string(*c).c_str() : "(none)", from, static_cast<long long>(a.rows), a.M, a.N, a.num_experts,
                  a.gather_p != nullptr, a.gather_q != nullptr, sm_count);
-  const Entry<VarlenKArgs>* e = c ? find(kTableK, *c) : nullptr;
-  if (e == nullptr)
-    return detail::make_status(StatusCode::kNotImplemented,
-                               detail::concat("engine::varlen_k: no instantiation ", c ? to_string(*c) : "(none)"));
-  return e->run(as_gather_p(a), sm_count, stream);
+  return run_choice(kTableK, c, as_gather_p(a), sm_count, stream, "engine::varlen_k");
 }
 
 }  // namespace engine

@@ -15,7 +15,7 @@ namespace smoe {
 namespace engine {
 
 struct DeviceFacts {
-  int sm_count = 132;  // persistent grid size; the "waves" below count tiles per SM
+  int sm_count = 0;  // the device's SMs (the persistent grid); the "waves" below count tiles per SM
 };
 
 // SwiGLU and store GEMMs with K up to this run ping-pong by default.

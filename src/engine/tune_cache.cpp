@@ -15,15 +15,9 @@ constexpr Kind kKinds[] = {Kind::up_swiglu,   Kind::down_store,    Kind::dx_stor
 constexpr Sched kScheds[] = {Sched::kCoop, Sched::kPingPong, Sched::kPingPongStaged, Sched::kPingPongStaged2,
                              Sched::kPingPong64};
 
-// to_string's kind prefix: the text before the schedule / cluster suffixes and "<BN>".
-std::string kind_name(Kind k) {
-  const std::string s = to_string(EngineConfig{k, Sched::kCoop, 128, 1});
-  return s.substr(0, s.size() - 5);  // "<128>"
-}
-
 std::optional<Kind> parse_kind(const std::string& s) {
   for (Kind k : kKinds)
-    if (kind_name(k) == s) return k;
+    if (s == kind_name(k)) return k;
   return std::nullopt;
 }
 
@@ -154,7 +148,7 @@ std::string TuneCache::to_json() const {
   for (const auto& [k, c] : map_) {
     s += first ? "\n" : ",\n";
     first = false;
-    s += "  {\"kind\": \"" + kind_name(k.kind) + "\", \"N\": " + std::to_string(k.N) + ", \"K\": " +
+    s += "  {\"kind\": \"" + std::string(kind_name(k.kind)) + "\", \"N\": " + std::to_string(k.N) + ", \"K\": " +
          std::to_string(k.K) + ", \"E\": " + std::to_string(k.E) + ", \"rows_bucket\": " +
          std::to_string(k.rows_bucket) + ", \"halves\": " + (k.halves ? "true" : "false") +
          ", \"sm_count\": " + std::to_string(k.sm_count) + ", \"config\": \"" + to_string(c) + "\"}";
