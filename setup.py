@@ -45,7 +45,7 @@ class BuildWithCMake(BuildExtension):
 
 ext = CppExtension(
     "smoe_torch._C",
-    ["python/smoe_torch/csrc/ops.cpp"],
+    ["python/smoe_torch/csrc/ops.cpp", "python/smoe_torch/csrc/expert_major_ops.cpp"],
     include_dirs=[os.path.join(ROOT, "include"), os.path.join(CUDA_HOME, "include")],
     extra_objects=[os.path.join(BUILD, "libsmoe.a")],
     library_dirs=[os.path.join(CUDA_HOME, "lib64"), os.path.join(CUDA_HOME, "lib")],
@@ -88,7 +88,7 @@ setup(
     name="smoe-torch",
     version=open(os.path.join(ROOT, "VERSION")).read().strip(),  # the one version number (VERSION)
     description="Hopper MoE training kernels (SonicMoE-style) for PyTorch",
-    packages=["smoe_torch"],
+    packages=["smoe_torch", "smoe_torch.dropins"],
     package_dir={"": "python"},
     ext_modules=exts,
     cmdclass={"build_ext": BuildWithCMake},

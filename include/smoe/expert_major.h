@@ -24,14 +24,13 @@
 //     with p applied to the activations before the down projection (Megatron-Core's order; the same
 //     value as scaling the output), and backward returns dprobs[r] = dL/dp[r] = <dout[r], y[r]>
 //     computed from dA' = dout W2_e and A = SwiGLU(H) as SonicMoE does (no y kept).
-//   * saved between forward and backward: H [R][2n] and O(E) row offsets; x (and probs) are the
-//     caller's and must stay unchanged until backward, as counts / segment_offset need not (the
+//   * saved between forward and backward: H [R][2n] and the row maps (4Rn + 16R + O(E) bytes); x (and
+//     probs) are the caller's and must stay unchanged until backward, as counts / segment_offset need not (the
 //     saved state keeps what it needs of them).
 //
-// Status: the API, its rules and sizes, and the float64 twin (smoe/reference.h,
-// ref::expert_major_forward_ref / _backward_ref) are implemented; expert_major_forward / _backward
-// validate every argument and then return kNotImplemented until the GPU path lands (it reuses the
-// engine's kernels: A by TMA, no gather; docs/expert_major.md).
+// Implementation: the token-major layer's engine calls and memory-bound kernels with one entry per
+// row (x gathered through the valid rows, so padding costs no GEMM work); the float64 twin is
+// smoe/reference.h, ref::expert_major_forward_ref / _backward_ref (docs/expert_major.md).
 #pragma once
 
 #include <cstddef>

@@ -14,6 +14,11 @@ Ops (torch.ops.smoe, CUDA, bf16):
   moe_forward_tr(x, w_router, w1, w2, top_k, rounding, seed) -> (out, saved)   token rounding
       (rounding 0 NR, 1 UP, 2 DOWN, 3 SR; tile = _C.token_rounding_tile())
   moe_backward_tr(dout, x, w_router, w1, w2, saved, top_k, rounding) -> (dx, dw_router, dw1, dw2)
+Expert-major layer (rows already grouped by expert: torchtitan / Megatron-Core / DeepEP dispatchers):
+  expert_major(x [R,d], counts [E], w1, w2, w3=None, *, probs=None, segment_offset=None, gate_up=None)
+      -> out [R,d], autograd over expert_major_fwd / expert_major_bwd (csrc/expert_major_ops.cpp);
+      expert_major_ref: its pure-torch twin (any device). Details and the status helpers in
+      expert_major.py (`from smoe_torch.expert_major import ...`: smoe_torch.expert_major is the function)
 Expert parallelism (one node, NCCL device API): smoe_torch.ep (EpGroup, ep_moe; ops
   ep_forward(ctx, x, expert, scores, w1_local, w2_local) and ep_backward), and MoE(ep_group=...).
 Each has a fake (meta) implementation, so torch.compile(fullgraph=True) traces through them;
@@ -32,5 +37,6 @@ from . import _C  # noqa: F401  (already loaded by _ops; smoe_torch._C stays the
 from ._layout import saved_state_bytes  # noqa: F401
 from ._ops import ops  # noqa: F401  (torch.ops.smoe)
 from ._runtime import init, nonfinite_status, raise_if_nonfinite, reset_nonfinite_status  # noqa: F401
+from .expert_major import expert_major, expert_major_ref  # noqa: F401
 from .moe import (MoE, GroupedExperts, SharedExperts, TokenChoiceTopKRouter, ROUNDING_MODES,  # noqa: F401
                   check_routing, moe_forward_interleaved, moe_routed, moe_token_rounding)

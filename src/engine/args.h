@@ -27,6 +27,11 @@ struct VarlenMArgs {
   const bf16* B = nullptr;
   const bf16* B2 = nullptr;     // up-proj / dX~: the up weights w3 when gate/up are two tensors
   bool halves = false;          // kSwiGLU / kDSwiGLU: H (and dH) in halves layout; set with B2
+  // With B2: rows of B (and of B2) from one expert to the next along the expert-indexed extent
+  // (K-major: N-rows, MN-major: K-rows); 0 = packed (N/2, K/2). Gate/up concatenated in one
+  // [E][2n][d] tensor (Megatron-Core fc1, transformers' gate_up_proj) is B = w1, B2 = w1 + n rows,
+  // b_expert_stride = 2n: no copy of the weights.
+  int64_t b_expert_stride = 0;
   WeightMajor b_major = WeightMajor::kNK;
   Epilogue epilogue = Epilogue::kStore;
   bf16* D = nullptr;            // kStore: [rows][N]; kSwiGLU: H [rows][N]

@@ -204,7 +204,8 @@ struct VarlenMKernel {
     int E, N, K;
     int a_rows;           // rows of the A tensor map (TMA A) or of the gather source
     int b_rows, b_cols;   // extents of the B tensor map(s): K-major (E*N, K), MN-major (N, E*K);
-                          // two tensors: K-major (E*N/2, K), MN-major (N, E*K/2)
+                          // two tensors: K-major ((E-1)*stride + N/2, K), MN-major (N, (E-1)*stride + K/2)
+    int b_stride;         // along the expert-indexed extent, from one expert to the next
     int n_tiles;
     bool b_halves;        // K-major gate/up in two tensors: tma_bh[0] (gate), tma_bh[1] (up)
     int k_split_tiles;    // MN-major: K-tiles from tma_b, the rest from tma_b2 (0: one tensor)
@@ -223,9 +224,10 @@ struct VarlenMKernel {
 
   // A: [a_rows][K] (gathered through gather_idx, or the grouped rows themselves);
   // B: K-major [E][N][K] or MN-major [E][K][N]; with B2 (gate/up as two tensors, engine.h):
-  // K-major B, B2 [E][N/2][K] each, MN-major B, B2 [E][K/2][N] each.
+  // K-major B, B2 [E][N/2][K] each, MN-major B, B2 [E][K/2][N] each, or those halves `stride` rows
+  // apart per expert (stride 0: packed).
   static Params make_params(int E, int N, int K, const bf16* A, int a_rows, const int32_t* gather,
-                            const bf16* B, const bf16* B2, const int32_t* offset,
+                            const bf16* B, const bf16* B2, int64_t stride, const int32_t* offset,
                             const typename Epi::Params& epi) {
     Params p;
     p.E = E;
@@ -247,8 +249,12 @@ struct VarlenMKernel {
     const Bf16* b2 = reinterpret_cast<const Bf16*>(B2);
     p.b_halves = false;
     p.k_split_tiles = 0;
+    // Rows of one expert's (half of the) weights, then the extent that ends at the last expert's.
+    const int per_expert = Cfg::kMajorB == GMMA::Major::K ? (two ? N / 2 : N) : (two ? K / 2 : K);
+    p.b_stride = two && stride != 0 ? static_cast<int>(stride) : per_expert;
+    const int extent = (E - 1) * p.b_stride + per_expert;
     if constexpr (Cfg::kMajorB == GMMA::Major::K) {
-      p.b_rows = E * (two ? N / 2 : N);
+      p.b_rows = extent;
       p.b_cols = K;
       const auto gl = make_layout(make_shape(p.b_rows, p.b_cols), make_stride(int64_t{K}, _1{}));
       p.tma_b = tma_for_b(b1, gl, typename Cfg::SmemLayoutB{});
@@ -259,7 +265,7 @@ struct VarlenMKernel {
       }
     } else {
       p.b_rows = N;
-      p.b_cols = E * (two ? K / 2 : K);
+      p.b_cols = extent;
       const auto gl = make_layout(make_shape(p.b_rows, p.b_cols), make_stride(_1{}, int64_t{N}));
       p.tma_b = tma_for_b(b1, gl, typename Cfg::SmemLayoutB{});
       if (two) {

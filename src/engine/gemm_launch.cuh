@@ -40,7 +40,7 @@ Status run_varlen_m(const VarlenMArgs& a, int sm_count, cudaStream_t stream, con
   using K = VarlenMKernel<Cfg, kALoad, Epi>;  // varlen_m (engine.cpp) returned already if rows == 0
   const int n_tiles = (a.N + Cfg::BN - 1) / Cfg::BN;
   const auto p = K::make_params(a.num_experts, a.N, a.K, a.A, static_cast<int>(a.a_rows), a.gather_idx,
-                                a.B, a.B2, a.expert_offset, epi_params(static_cast<Epi*>(nullptr), a));
+                                a.B, a.B2, a.b_expert_stride, a.expert_offset, epi_params(static_cast<Epi*>(nullptr), a));
   // Units: sum_e ceil(m_e / (C BM)) <= rows / (C BM) + E, times the column tiles.
   const int64_t units = (a.rows / (Cfg::BM * Cfg::kClusterM) + a.num_experts) * static_cast<int64_t>(n_tiles);
   return launch<K>(p, units, sm_count, stream, name);

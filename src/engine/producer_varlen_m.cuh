@@ -49,7 +49,7 @@ struct ProducerVarlenM {
         static_assert(H % (8 * kClusterB) == 0, "B halves: whole 8-row swizzle atoms per cluster rank");
         const int j0 = w.n_tile * H;
         const int b_rank = kClusterB == 1 ? 0 : rank;
-        Tensor gB = local_tile(domain_offset(make_coord(w.expert * (p.N / 2) + j0, 0), mB),
+        Tensor gB = local_tile(domain_offset(make_coord(w.expert * p.b_stride + j0, 0), mB),
                                make_shape(Int<H>{}, Int<BK>{}), make_coord(0, _));
         CUTE_UNROLL
         for (int h = 0; h < 2; ++h) {
@@ -66,16 +66,15 @@ struct ProducerVarlenM {
     }
     const int n0 = w.n_tile * BN;
     // MN-major with two tensors (dX~ over [w1; w3]): K-tiles below k_split_tiles from tma_b, the
-    // rest from tma_b2, each tensor holding K/2 rows per expert.
+    // rest from tma_b2, each tensor holding K/2 rows per expert (b_stride apart).
     const bool second = p.k_split_tiles > 0 && k >= p.k_split_tiles;
     const int kk = second ? k - p.k_split_tiles : k;
-    const int k_ext = p.k_split_tiles > 0 ? p.k_split_tiles * BK : p.K;
     Tensor gB = [&] {
       if constexpr (Cfg::kMajorB == GMMA::Major::K)
-        return local_tile(domain_offset(make_coord(w.expert * p.N + n0, 0), mB),
+        return local_tile(domain_offset(make_coord(w.expert * p.b_stride + n0, 0), mB),
                           make_shape(Int<BN>{}, Int<BK>{}), make_coord(0, _));
       else
-        return local_tile(domain_offset(make_coord(n0, w.expert * k_ext), mB),
+        return local_tile(domain_offset(make_coord(n0, w.expert * p.b_stride), mB),
                           make_shape(Int<BN>{}, Int<BK>{}), make_coord(0, _));
     }();
     const auto& tma = second ? p.tma_b2 : p.tma_b;

@@ -32,7 +32,10 @@ Status check_grouping(const char* fn, int E, const char* x, int vx, const char* 
 
 // Gate/up as two tensors: the up-proj (SwiGLU, K-major) or dX~ (store, MN-major, K = 2n).
 Status check_two_tensor_weights(const VarlenMArgs& a, const char* fn) {
-  if (a.B2 == nullptr) return Status{};
+  if (a.B2 == nullptr) {
+    if (a.b_expert_stride != 0) return rule(fn, "b_expert_stride", a.b_expert_stride, "must be 0 without B2");
+    return Status{};
+  }
   const bool up = a.epilogue == Epilogue::kSwiGLU && a.b_major == WeightMajor::kNK;
   const bool dx = a.epilogue == Epilogue::kStore && a.b_major == WeightMajor::kKN;
   if (!up && !dx)
@@ -40,6 +43,13 @@ Status check_two_tensor_weights(const VarlenMArgs& a, const char* fn) {
                                detail::concat(fn, ": B2 (gate/up as two tensors) is for the SwiGLU up-proj "
                                                   "(K-major) and dX~ (store, MN-major) only"));
   if (dx && a.K % 128 != 0) return rule(fn, "K", a.K, "must be a multiple of 128 with B2 (K = 2n, n % 64 == 0)");
+  // A stride below the packed rows would overlap two experts; the extent stays a TMA coordinate.
+  const int64_t packed = (up ? a.N : a.K) / 2;
+  if (a.b_expert_stride != 0 && a.b_expert_stride < packed)
+    return rule(fn, "b_expert_stride", a.b_expert_stride, "must be 0 (packed) or >= the rows of one expert's half");
+  if (a.b_expert_stride != 0 && int64_t{a.num_experts} * a.b_expert_stride > kMaxRows)
+    return rule(fn, "num_experts * b_expert_stride", int64_t{a.num_experts} * a.b_expert_stride,
+                "must be < 2^31 (TMA coordinates)");
   return detail::check_ptr(a.B2, fn, "B2", 16);
 }
 

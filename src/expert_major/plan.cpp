@@ -13,8 +13,11 @@ SavedLayout saved_layout(const ExpertMajorShape& s, void* base) {
   SavedLayout l;
   l.stamp = c.take<plan::SavedStamp>(1);
   l.h = c.take<bf16>(R * 2 * s.n);
-  l.row_begin = c.take<int32_t>(s.E);
-  l.row_count = c.take<int32_t>(s.E);
+  l.expert_offset = c.take<int32_t>(s.E + 1);
+  l.row_of = c.take<int32_t>(R);
+  l.slot_of = c.take<int32_t>(R);
+  l.scores = c.take<float>(R);
+  l.row_offset = c.take<int32_t>(R + 1);
   l.bytes = c.used();
   return l;
 }
@@ -24,7 +27,9 @@ ForwardWs forward_ws(const ExpertMajorShape& s, void* base) {
   detail::Carver c(base);
   ForwardWs w;
   w.act = c.take<bf16>(R * s.n);
+  w.y = c.take<bf16>(R * s.d);
   w.valid = c.take<int32_t>(1);
+  w.row_begin = c.take<int32_t>(s.E);
   w.total = c.used();
   return w;
 }
@@ -35,11 +40,11 @@ BackwardWs backward_ws(const ExpertMajorShape& s, void* base) {
   BackwardWs w;
   w.a_prime = c.take<bf16>(R * s.n);
   w.dH = c.take<bf16>(R * 2 * s.n);
+  w.dXt = c.take<bf16>(R * s.d);
   w.ds_partial = c.take<float>(R * engine::ds_partial_tiles(s.n));
-  w.identity = c.take<int32_t>(R);
   w.dprobs = s.probs ? nullptr : c.take<float>(R);
-  w.ones = s.probs ? nullptr : c.take<float>(R);
   w.valid = c.take<int32_t>(1);
+  w.expert_offset = c.take<int32_t>(s.E + 1);
   w.total = c.used();
   return w;
 }

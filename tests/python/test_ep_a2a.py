@@ -1,0 +1,333 @@
+"""smoe_torch.ep_a2a: expert parallelism over torch.distributed all-to-all, EP = 2 against one process.
+
+CPU (always runs): 2 gloo processes, the experts function is the pure-torch twin
+smoe_torch.expert_major_ref (float64 and float32). Forward and gradients (x, scores, every local
+weight) must equal a single-process run of the twin over all E experts and all tokens (rel 1e-10 in
+float64, 1e-5 in float32), and a naive per-expert loop; cases: an expert that gets no rows, a rank
+that sends nothing to the other, a rank that receives nothing, a rank with no tokens, empty slots,
+K = 1, 2, 4; a second call bitwise identical; a bad id is an error on both ranks (no hang).
+GPU (skips without 2 CUDA GPUs or an extension with expert_major): NCCL, bf16, smoe_torch.expert_major
+against one GPU within the bf16 bound, and bitwise repeatable.
+
+Without a built extension `import smoe_torch` fails (the package loads _C), so the CPU part then loads
+ep_a2a.py and expert_major.py (for the twin) from their files (`-s` prints TWIN_SOURCE).
+    python3 -m pytest -q -s tests/python/test_ep_a2a.py
+"""
+import functools
+import importlib.util
+import os
+import random
+import socket
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _load_file(name, path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def load_ep_a2a():
+    try:
+        from smoe_torch import ep_a2a
+        return ep_a2a
+    except ImportError:
+        return _load_file("smoe_ep_a2a_file", os.path.join(ROOT, "python", "smoe_torch", "ep_a2a.py"))
+
+
+def load_twin():
+    """(smoe_torch.expert_major_ref, where it came from): from the package if it imports (a built
+    extension), else from python/smoe_torch/expert_major.py as a plain file (it needs no _C for the twin)."""
+    try:
+        import smoe_torch
+        return smoe_torch.expert_major_ref, "smoe_torch.expert_major_ref"
+    except ImportError:
+        path = os.path.join(ROOT, "python", "smoe_torch", "expert_major.py")
+        return _load_file("smoe_expert_major_file", path).expert_major_ref, path
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn2(target, *args, timeout=300):
+    """Runs target(rank, 2, port, *args, queue) in 2 spawned processes; their queue items by rank."""
+    import torch.multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=target, args=(r, 2, port, *args, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        got = [q.get(timeout=timeout) for _ in procs]
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    return sorted(got, key=lambda r: r[0])
+
+
+def rel(a, b):
+    if a is None:
+        a = torch.zeros_like(b)
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
+
+
+# ---- the cases ---------------------------------------------------------------------------------------
+# name: (T per rank, d, n, E, K, routing)
+CASES = {
+    "k4_expert_without_rows": ((13, 9), 16, 8, 8, 4, "no_expert_5"),
+    "k1_rank0_sends_nothing": ((11, 7), 16, 8, 4, 1, "rank0_local"),
+    "k2_rank1_receives_nothing": ((10, 6), 8, 8, 4, 2, "all_to_rank0"),
+    "k2_rank1_no_tokens_empty_slots": ((12, 0), 16, 8, 4, 2, "empty_slots"),
+    "k4_uneven_hot_expert": ((20, 5), 16, 16, 8, 4, "hot"),
+}
+
+
+def make_routing(kind, T_all, T0, E, K, g):
+    """[T_all, K] distinct global ids (-1 = empty) and [T_all, K] scores for all ranks' tokens."""
+    logits = torch.randn(T_all, E, generator=g, dtype=torch.float64)
+    if kind == "no_expert_5":
+        logits[:, 5] = -float("inf")
+    elif kind == "rank0_local":           # rank 0's tokens only on rank 0's experts (0, 1)
+        logits[:T0, E // 2:] = -float("inf")
+    elif kind == "all_to_rank0":          # nobody routes to rank 1's experts
+        logits[:, E // 2:] = -float("inf")
+    elif kind == "hot":
+        logits[: T_all // 2, E - 1] += 100.0
+    vals, idx = logits.topk(K, dim=-1)
+    scores = vals.softmax(-1)
+    if kind == "empty_slots":
+        drop = torch.rand(T_all, K, generator=g) < 0.3
+        idx = torch.where(drop, torch.full_like(idx, -1), idx)
+    return idx, scores
+
+
+def single_process(x, idx, scores, w1, w3, w2, twin):
+    """One process, every expert, every token: sort the entries by expert, the twin over all E experts
+    (probs inside), index_add back. Plain torch autograd (independent of ep_a2a's own functions)."""
+    T, K = idx.shape
+    E = w1.shape[0]
+    flat = idx.reshape(-1)
+    valid = flat >= 0
+    order = torch.argsort(torch.where(valid, flat, torch.full_like(flat, E)), stable=True)
+    ent = order[: int(valid.sum())]
+    counts = torch.bincount(flat[valid], minlength=E).to(torch.int32)
+    y = twin(x[ent // K], counts, w1, w2, w3, probs=scores.reshape(-1)[ent], gate_up="separate")
+    return torch.zeros_like(x).index_add(0, ent // K, y)
+
+
+def naive(x, idx, scores, w1, w3, w2):
+    out = torch.zeros_like(x)
+    for e in range(w1.shape[0]):
+        tok, k = (idx == e).nonzero(as_tuple=True)
+        if tok.numel():
+            xe = x[tok]
+            y = (F.silu(xe @ w1[e].T) * (xe @ w3[e].T)) @ w2[e].T
+            out = out.index_add(0, tok, y * scores[tok, k, None])
+    return out
+
+
+def _cpu_worker(rank, world, port, q):
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    res = {}
+    try:
+        ep_a2a = load_ep_a2a()
+        twin, source = load_twin()
+        res["twin_source"] = source
+        for dtype, tol in ((torch.float64, 1e-10), (torch.float32, 1e-5)):
+            for name, ((T0, T1), d, n, E, K, kind) in CASES.items():
+                key = f"{name}/{str(dtype)[6:]}"
+                try:
+                    res[key] = _cpu_case(rank, world, ep_a2a, functools.partial(twin, dtype=dtype), T0, T1, d, n, E,
+                                         K, kind, dtype, tol)
+                except Exception as ex:  # noqa: BLE001
+                    import traceback
+                    res[key] = {"error": repr(ex) + traceback.format_exc()[-1500:]}
+        # A bad id on rank 0 only: both ranks raise (the id check rides on the count exchange).
+        idx = torch.zeros(4, 2, dtype=torch.int64)
+        idx[:, 1] = 1
+        if rank == 0:
+            idx[2, 1] = 4
+        try:
+            ep_a2a.layout(idx, 2, None)
+            res["bad_id"] = "no error"
+        except ValueError as ex:
+            res["bad_id"] = "ValueError" if "outside" in str(ex) else repr(ex)
+    except Exception as ex:  # noqa: BLE001
+        res["error"] = repr(ex)
+    finally:
+        q.put((rank, res))
+        dist.destroy_process_group()
+
+
+def _cpu_case(rank, world, ep_a2a, twin, T0, T1, d, n, E, K, kind, dtype, tol):
+    g = torch.Generator().manual_seed(1234 + E * 10 + K)
+    Ts = (T0, T1)
+    T_all = sum(Ts)
+    x_all = torch.randn(T_all, d, generator=g, dtype=torch.float64).to(dtype)
+    dout_all = torch.randn(T_all, d, generator=g, dtype=torch.float64).to(dtype)
+    idx_all, s_all = make_routing(kind, T_all, T0, E, K, g)
+    s_all = s_all.to(dtype)
+    W1 = (torch.randn(E, n, d, generator=g, dtype=torch.float64) / d ** 0.5).to(dtype)
+    W3 = (torch.randn(E, n, d, generator=g, dtype=torch.float64) / d ** 0.5).to(dtype)
+    W2 = (torch.randn(E, d, n, generator=g, dtype=torch.float64) / n ** 0.5).to(dtype)
+    El = E // world
+    sl = slice(rank * El, (rank + 1) * El)
+    tl = slice(sum(Ts[:rank]), sum(Ts[:rank + 1]))
+
+    runs = []
+    for _ in range(2):
+        x = x_all[tl].clone().requires_grad_(True)
+        s = s_all[tl].clone().requires_grad_(True)
+        lw = [w[sl].clone().requires_grad_(True) for w in (W1, W3, W2)]
+        out = ep_a2a.moe_ep_a2a(x, idx_all[tl], s, *lw, None, experts_fn=twin)
+        out.backward(dout_all[tl])
+        runs.append([out.detach(), x.grad, s.grad] + [w.grad for w in lw])
+    plan = ep_a2a.layout(idx_all[tl], El, None)
+
+    xr = x_all.clone().requires_grad_(True)
+    sr = s_all.clone().requires_grad_(True)
+    rw = [w.clone().requires_grad_(True) for w in (W1, W3, W2)]
+    ref = single_process(xr, idx_all, sr, *rw, twin)
+    ref.backward(dout_all)
+    want = [ref.detach()[tl], xr.grad[tl], sr.grad[tl]] + [w.grad[sl] for w in rw]
+    names = ["out", "dx", "dscores", "dw1", "dw3", "dw2"]
+    errs = {k: rel(a, b) for k, a, b in zip(names, runs[0], want)}
+    with torch.no_grad():
+        nv = naive(x_all.double(), idx_all, s_all.double(), W1.double(), W3.double(), W2.double())
+    errs["out_vs_naive"] = rel(runs[0][0], nv[tl])
+    same = all((a is None and b is None) or torch.equal(a, b) for a, b in zip(runs[0], runs[1]))
+    empty_zero = bool((runs[0][2][idx_all[tl] < 0] == 0).all()) if runs[0][2] is not None else True
+    return {"errs": errs, "tol": tol, "bitwise_repeat": same, "empty_slot_dscores_zero": empty_zero,
+            "send_splits": plan.send_splits, "recv_splits": plan.recv_splits,
+            "local_counts": plan.local_counts.tolist(), "none_grads": [k for k, a in zip(names, runs[0]) if a is None]}
+
+
+@pytest.fixture(scope="module")
+def cpu_results():
+    got = _spawn2(_cpu_worker)
+    for rank, res in got:
+        assert "error" not in res, f"rank {rank}: {res['error']}"
+    print("TWIN_SOURCE", got[0][1]["twin_source"])
+    return got
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_ep2_a2a_matches_one_process_cpu(cpu_results, case, dtype):
+    for rank, res in cpu_results:
+        r = res[f"{case}/{dtype}"]
+        assert "error" not in r, f"rank {rank}: {r['error']}"
+        bad = {k: v for k, v in r["errs"].items() if not v <= (r["tol"] if k != "out_vs_naive" else 1e-5)}
+        assert not bad, f"rank {rank} {case} {dtype}: " + ", ".join(f"{k} {v:.2e}" for k, v in r["errs"].items())
+        assert r["bitwise_repeat"], f"rank {rank}: the second call is not bitwise identical to the first"
+        assert r["empty_slot_dscores_zero"], f"rank {rank}: empty slots must get dscores exactly 0"
+    # the cases are what their names say
+    r0, r1 = (res[f"{case}/{dtype}"] for _, res in cpu_results)
+    if case == "k4_expert_without_rows":
+        assert r1["local_counts"][1] == 0                      # global expert 5 = rank 1's local expert 1
+    if case == "k1_rank0_sends_nothing":
+        assert r0["send_splits"][1] == 0 and r1["send_splits"][0] > 0
+    if case == "k2_rank1_receives_nothing":
+        assert r0["send_splits"][1] == 0 and r1["send_splits"][1] == 0 and sum(r1["recv_splits"]) == 0
+    if case == "k2_rank1_no_tokens_empty_slots":
+        assert sum(r1["send_splits"]) == 0
+
+
+def test_bad_id_raises_on_every_rank(cpu_results):
+    for rank, res in cpu_results:
+        assert res["bad_id"] == "ValueError", f"rank {rank}: {res['bad_id']}"
+
+
+# ---- GPU: NCCL, bf16, smoe_torch.expert_major ---------------------------------------------------------
+
+def _gpu_available():
+    if torch.cuda.device_count() < 2:
+        return False, "needs 2 CUDA GPUs"
+    try:
+        import smoe_torch
+        smoe_torch.expert_major  # noqa: B018
+        smoe_torch.expert_major_ref  # noqa: B018
+    except (ImportError, AttributeError) as ex:
+        return False, f"smoe_torch with expert_major not importable: {ex!r}"
+    return True, ""
+
+
+def _gpu_worker(rank, world, port, seed, T, d, n, E, K, q):
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+    try:
+        import smoe_torch
+        from smoe_torch import ep_a2a
+        g = torch.Generator().manual_seed(seed)
+        T_all = T * world
+        dev, bf = "cuda", torch.bfloat16
+        x_all = torch.randn(T_all, d, generator=g).to(dev, bf)
+        dout_all = torch.randn(T_all, d, generator=g).to(dev, bf)
+        logits = torch.randn(T_all, E, generator=g)
+        logits[: T_all // 8, E - 1] += 100.0                       # a hot expert on the last rank
+        vals, idx = logits.topk(K, dim=-1)
+        idx, s_all = idx.to(dev), vals.softmax(-1).to(dev)
+        W1, W3 = ((torch.randn(E, n, d, generator=g) / d ** 0.5).to(dev, bf) for _ in range(2))
+        W2 = (torch.randn(E, d, n, generator=g) / n ** 0.5).to(dev, bf)
+        El = E // world
+        sl, tl = slice(rank * El, (rank + 1) * El), slice(rank * T, (rank + 1) * T)
+        runs = []
+        for _ in range(2):
+            x = x_all[tl].clone().requires_grad_(True)
+            s = s_all[tl].clone().requires_grad_(True)
+            lw = [w[sl].clone().requires_grad_(True) for w in (W1, W3, W2)]
+            out = ep_a2a.moe_ep_a2a(x, idx[tl], s, *lw, None)      # default: smoe_torch.expert_major
+            out.backward(dout_all[tl])
+            runs.append([t.detach().clone() for t in [out, x.grad, s.grad] + [w.grad for w in lw]])
+        errs = {}
+        for label, fn, dt in (("one_gpu_smoe", smoe_torch.expert_major, bf),
+                              ("one_gpu_fp32_twin", functools.partial(smoe_torch.expert_major_ref,
+                                                                      dtype=torch.float32), torch.float32)):
+            xr = x_all.detach().to(dt).clone().requires_grad_(True)
+            sr = s_all.clone().requires_grad_(True)
+            rw = [w.detach().to(dt).clone().requires_grad_(True) for w in (W1, W3, W2)]
+            ref = single_process(xr, idx, sr, *rw, fn)
+            ref.backward(dout_all.to(dt))
+            want = [ref.detach()[tl], xr.grad[tl], sr.grad[tl]] + [w.grad[sl] for w in rw]
+            errs[label] = [rel(a, b) for a, b in zip(runs[0], want)]
+        same = all(torch.equal(a, b) for a, b in zip(runs[0], runs[1]))
+        q.put((rank, errs, same))
+    except Exception as ex:  # noqa: BLE001
+        q.put((rank, repr(ex), False))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("T,d,n,E,K", [(512, 256, 128, 8, 2), (300, 512, 256, 16, 4), (129, 128, 128, 4, 1)])
+def test_ep2_a2a_gpu_matches_one_gpu(T, d, n, E, K):
+    ok, why = _gpu_available()
+    if not ok:
+        pytest.skip(why)
+    seed = random.randrange(1 << 30)
+    for rank, errs, same in _spawn2(_gpu_worker, seed, T, d, n, E, K):
+        assert not isinstance(errs, str), f"rank {rank} (seed {seed}): {errs}"
+        for label, e in errs.items():
+            assert all(v < 1e-2 for v in e), f"rank {rank} (seed {seed}) vs {label}: out, dx, dscores, dw1, dw3, dw2 = {e}"
+        assert same, f"rank {rank}: the second call is not bitwise identical to the first"
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v", "-s"]))
