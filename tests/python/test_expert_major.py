@@ -326,27 +326,8 @@ def test_saved_state_bytes_is_symbolic_friendly():
 # ------------------------------------------------------------------------------------------------
 # GPU: expert_major against expert_major_ref(float64)
 # ------------------------------------------------------------------------------------------------
-_probe = {}
-
-
 @pytest.fixture
 def gpu():
-    """Skips (once decided, for every GPU test) while the library's GPU path is not implemented yet
-    (expert_major_forward returns kNotImplemented)."""
-    if "skip" not in _probe:
-        x = torch.zeros(4, 64, dtype=torch.bfloat16, device="cuda")
-        w1 = torch.zeros(1, 128, 64, dtype=torch.bfloat16, device="cuda")
-        w2 = torch.zeros(1, 64, 64, dtype=torch.bfloat16, device="cuda")
-        counts = torch.tensor([4], dtype=torch.int32, device="cuda")
-        try:
-            torch.ops.smoe.expert_major_fwd(x, counts, None, None, w1, None, w2, 2)
-            _probe["skip"] = None
-        except RuntimeError as e:
-            if "[not implemented]" not in str(e):
-                raise
-            _probe["skip"] = f"expert_major_forward is not implemented in this build: {e}"
-    if _probe["skip"]:
-        pytest.skip(_probe["skip"])
     return "cuda"
 
 
