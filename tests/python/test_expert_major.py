@@ -607,7 +607,13 @@ def test_gpu_torch_compile_dynamic_compiles_once_over_R(gpu):
 @pytest.mark.parametrize("layout,probs,seg", [(0, True, False), (1, False, True), (2, True, True)])
 def test_gpu_opcheck(gpu, layout, probs, seg):
     args = _fwd_args(layout=layout, probs=probs, seg=seg)
-    torch.library.opcheck(torch.ops.smoe.expert_major_fwd, tuple(args))
+    # Not test_aot_dispatch_dynamic on the forward: it compares every byte of the opaque saved state,
+    # whose regions are 256-byte aligned with gaps no kernel writes or reads (at::empty garbage that
+    # differs between the eager and the traced call; measured on the H200 at 7365422). That the
+    # compiled forward and backward equal eager bitwise on out and every gradient is
+    # test_gpu_torch_compile_fullgraph_matches_eager's job; the backward's opcheck below runs all.
+    torch.library.opcheck(torch.ops.smoe.expert_major_fwd, tuple(args),
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
     out, saved = torch.ops.smoe.expert_major_fwd(*args)
     x, _, _, p, w1, w3, w2, _ = args
     dout = torch.randn_like(out)
