@@ -45,7 +45,8 @@ class BuildWithCMake(BuildExtension):
 
 ext = CppExtension(
     "smoe_torch._C",
-    ["python/smoe_torch/csrc/ops.cpp", "python/smoe_torch/csrc/expert_major_ops.cpp"],
+    ["python/smoe_torch/csrc/ops.cpp", "python/smoe_torch/csrc/expert_major_ops.cpp",
+     "python/smoe_torch/csrc/common.cpp"],
     include_dirs=[os.path.join(ROOT, "include"), os.path.join(CUDA_HOME, "include")],
     extra_objects=[os.path.join(BUILD, "libsmoe.a")],
     library_dirs=[os.path.join(CUDA_HOME, "lib64"), os.path.join(CUDA_HOME, "lib")],

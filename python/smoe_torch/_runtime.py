@@ -15,8 +15,12 @@ def nonfinite_status(device=None):
     return flags, count, first
 
 
+# smoe::DeviceStatusFlag. One record per device for both layers (csrc/common.h): the expert-major
+# layer's flags show here too.
 _FLAG_NAMES = {1: "non-finite router logits", 2: "expert id outside [-1, E)", 4: "expert listed twice in a token",
-               8: "non-finite routing scores"}
+               8: "non-finite routing scores",
+               16: "a backward got a saved state not written by the forward for its shape (its gradients are NaN)",
+               32: "expert-major counts / segment_offset invalid (that forward's outputs are NaN)"}
 
 
 def reset_nonfinite_status(device=None):
@@ -25,8 +29,9 @@ def reset_nonfinite_status(device=None):
 
 
 def raise_if_nonfinite(device=None, reset=True):
-    """Raise FloatingPointError if any forward since the last reset saw NaN/Inf router logits (or, with
-    provided routing, a bad id or score), naming the first token. One device sync: call it once per
+    """Raise FloatingPointError if any call since the last reset saw NaN/Inf router logits (or, with
+    provided routing, a bad id or score, naming the first token), a bad saved state, or invalid
+    expert-major counts. One device sync: call it once per
     step, or every N steps. reset=True clears the record after reading it."""
     flags, count, first = nonfinite_status(device)
     if reset:

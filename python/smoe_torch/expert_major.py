@@ -38,8 +38,9 @@ Conversions expert_major() makes (the standard layouts need none, so nothing is 
 
 The device checks counts / segment_offset without a host sync: a negative count, a count past its
 segment or past R, or a decreasing segment_offset makes every output NaN and sets
-STATUS_INVALID_COUNTS in this layer's sticky per-device status record; read it with
-expert_major_status() or raise_if_expert_major_error() (one device sync; once per step, say).
+STATUS_INVALID_COUNTS in the extension's sticky per-device status record (one for both layers, so
+smoe_torch.raise_if_nonfinite() sees it too); read it with expert_major_status() or
+raise_if_expert_major_error() (one device sync; once per step, say).
 expert_major_ref checks the same rules on the host and raises ValueError.
 
 The saved state between forward and backward is an opaque uint8 tensor (H [R, 2n] bf16 + O(R + E)
@@ -173,14 +174,14 @@ def _like(device):
 
 
 def expert_major_status(device=None):
-    """The flags of this layer's sticky device status (STATUS_INVALID_COUNTS, STATUS_BAD_SAVED_STATE)
+    """The flags of the sticky device status (shared with the token-major layer) (STATUS_INVALID_COUNTS, STATUS_BAD_SAVED_STATE)
     since the last reset. Reading it syncs the device."""
     raw = torch.ops.smoe.expert_major_status(_like(device)).cpu()
     return int(raw[0:4].view(torch.int32).item()) & 0xFFFFFFFF
 
 
 def reset_expert_major_status(device=None):
-    """Clear this layer's sticky device status (enqueued on the current stream)."""
+    """Clear the sticky device status, both layers' flags (enqueued on the current stream)."""
     torch.ops.smoe.expert_major_reset_status(_like(device))
 
 

@@ -7,7 +7,10 @@ float64, 1e-5 in float32), and a naive per-expert loop; cases: an expert that ge
 that sends nothing to the other, a rank that receives nothing, a rank with no tokens, empty slots,
 K = 1, 2, 4; a second call bitwise identical; a bad id is an error on both ranks (no hang).
 GPU (skips without 2 CUDA GPUs or an extension with expert_major): NCCL, bf16, smoe_torch.expert_major
-against one GPU within the bf16 bound, and bitwise repeatable.
+against one GPU within the bf16 bound, and bitwise repeatable. On ONE GPU the same EP = 2 check runs
+with both ranks on cuda:0 and gloo carrying the hops on the CPU (the expert-major kernels on the GPU,
+rows moved there and back inside the experts function): the EP logic with the real layer, not its
+speed.
 
 Without a built extension `import smoe_torch` fails (the package loads _C), so the CPU part then loads
 ep_a2a.py and expert_major.py (for the twin) from their files (`-s` prints TWIN_SOURCE).
@@ -256,9 +259,9 @@ def test_bad_id_raises_on_every_rank(cpu_results):
 
 # ---- GPU: NCCL, bf16, smoe_torch.expert_major ---------------------------------------------------------
 
-def _gpu_available():
-    if torch.cuda.device_count() < 2:
-        return False, "needs 2 CUDA GPUs"
+def _gpu_available(gpus=2):
+    if torch.cuda.device_count() < gpus:
+        return False, f"needs {gpus} CUDA GPU(s)"
     try:
         import smoe_torch
         smoe_torch.expert_major  # noqa: B018
@@ -268,11 +271,23 @@ def _gpu_available():
     return True, ""
 
 
-def _gpu_worker(rank, world, port, seed, T, d, n, E, K, q):
+def _experts_on_gpu(rows, counts, w1, w2, w3, probs=None, gate_up=None):
+    """gloo on one GPU: the hops' rows live on the CPU (fp32, bf16 values); the layer runs on the GPU."""
+    import smoe_torch
+    y = smoe_torch.expert_major(rows.to("cuda", torch.bfloat16), counts.cuda(), w1, w2, w3,
+                                probs=probs.cuda(), gate_up=gate_up)
+    return y.to("cpu", torch.float32)
+
+
+def _gpu_worker(rank, world, port, seed, T, d, n, E, K, transport, q):
     import torch.distributed as dist
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+    gloo = transport == "gloo_one_gpu"
+    torch.cuda.set_device(0 if gloo else rank)
+    if gloo:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    else:
+        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
     try:
         import smoe_torch
         from smoe_torch import ep_a2a
@@ -289,14 +304,17 @@ def _gpu_worker(rank, world, port, seed, T, d, n, E, K, q):
         W2 = (torch.randn(E, d, n, generator=g) / n ** 0.5).to(dev, bf)
         El = E // world
         sl, tl = slice(rank * El, (rank + 1) * El), slice(rank * T, (rank + 1) * T)
+        # gloo: tokens, routing and scores on the CPU (fp32 holding the same bf16 values), weights on the GPU.
+        hop = (lambda t: t.to("cpu", torch.float32 if t.is_floating_point() else t.dtype)) if gloo else (lambda t: t)
+        fn = _experts_on_gpu if gloo else None                     # None: smoe_torch.expert_major
         runs = []
         for _ in range(2):
-            x = x_all[tl].clone().requires_grad_(True)
-            s = s_all[tl].clone().requires_grad_(True)
+            x = hop(x_all[tl]).clone().requires_grad_(True)
+            s = hop(s_all[tl]).clone().requires_grad_(True)
             lw = [w[sl].clone().requires_grad_(True) for w in (W1, W3, W2)]
-            out = ep_a2a.moe_ep_a2a(x, idx[tl], s, *lw, None)      # default: smoe_torch.expert_major
-            out.backward(dout_all[tl])
-            runs.append([t.detach().clone() for t in [out, x.grad, s.grad] + [w.grad for w in lw]])
+            out = ep_a2a.moe_ep_a2a(x, hop(idx[tl]), s, *lw, None, experts_fn=fn)
+            out.backward(hop(dout_all[tl]))
+            runs.append([t.detach().to(dev).clone() for t in [out, x.grad, s.grad] + [w.grad for w in lw]])
         errs = {}
         for label, fn, dt in (("one_gpu_smoe", smoe_torch.expert_major, bf),
                               ("one_gpu_fp32_twin", functools.partial(smoe_torch.expert_major_ref,
@@ -316,13 +334,17 @@ def _gpu_worker(rank, world, port, seed, T, d, n, E, K, q):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("T,d,n,E,K", [(512, 256, 128, 8, 2), (300, 512, 256, 16, 4), (129, 128, 128, 4, 1)])
-def test_ep2_a2a_gpu_matches_one_gpu(T, d, n, E, K):
-    ok, why = _gpu_available()
+GPU_CASES = [(512, 256, 128, 8, 2), (300, 512, 256, 16, 4), (129, 128, 128, 4, 1)]
+
+
+@pytest.mark.parametrize("transport", ["nccl", "gloo_one_gpu"])
+@pytest.mark.parametrize("T,d,n,E,K", GPU_CASES)
+def test_ep2_a2a_gpu_matches_one_gpu(T, d, n, E, K, transport):
+    ok, why = _gpu_available(1 if transport == "gloo_one_gpu" else 2)
     if not ok:
         pytest.skip(why)
     seed = random.randrange(1 << 30)
-    for rank, errs, same in _spawn2(_gpu_worker, seed, T, d, n, E, K):
+    for rank, errs, same in _spawn2(_gpu_worker, seed, T, d, n, E, K, transport):
         assert not isinstance(errs, str), f"rank {rank} (seed {seed}): {errs}"
         for label, e in errs.items():
             assert all(v < 1e-2 for v in e), f"rank {rank} (seed {seed}) vs {label}: out, dx, dscores, dw1, dw3, dw2 = {e}"

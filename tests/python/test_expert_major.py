@@ -554,6 +554,28 @@ def test_gpu_invalid_counts_give_nan_and_set_the_status(gpu):
 
 
 @needs_gpu
+def test_gpu_one_status_record_for_both_layers(gpu):
+    """The token-major layer's raise_if_nonfinite sees the expert-major flag (one record per device),
+    and a token-major NaN logit shows in expert_major_status (so no error hides in another record)."""
+    import smoe_torch
+    smoe_torch.reset_nonfinite_status()
+    args = _fwd_args(probs=False)
+    args[1] = torch.tensor([64, 64, 64, 65], dtype=torch.int32, device="cuda")
+    torch.ops.smoe.expert_major_fwd(*args)
+    with pytest.raises(FloatingPointError, match="expert-major counts"):
+        smoe_torch.raise_if_nonfinite()
+    assert em.expert_major_status() == 0  # raise_if_nonfinite reset it
+    x = torch.randn(64, 128, device="cuda").bfloat16()
+    x[5, 0] = float("nan")
+    wr = torch.randn(4, 128, device="cuda").bfloat16()
+    w1, w2 = args[4], args[6]
+    torch.ops.smoe.moe_forward(x, wr, w1, w2, 2, None)
+    assert em.expert_major_status() & 1  # kStatusNonFiniteLogits
+    em.reset_expert_major_status()
+    assert smoe_torch.nonfinite_status()[0] == 0
+
+
+@needs_gpu
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_gpu_torch_compile_fullgraph_matches_eager(gpu, layout):
     import torch._dynamo

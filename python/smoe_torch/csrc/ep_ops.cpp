@@ -10,15 +10,13 @@
 #include <cstring>
 #include <string>
 
+#include "common.h"  // the inline helpers only (device_status is _C's)
 #include "smoe/ep.h"
 
 namespace {
 
-std::string num(int64_t v) { return std::to_string(v); }
-
-void throw_if(const smoe::Status& s) {
-  TORCH_CHECK(s.ok(), "smoe: ", s.message, " [", smoe::status_code_name(s.code), "]");
-}
+using smoe_torch::num;
+using smoe_torch::throw_if;
 
 struct Handle {
   ncclComm_t comm = nullptr;

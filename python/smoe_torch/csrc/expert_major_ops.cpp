@@ -18,9 +18,9 @@
 // API: a bad count / segment offset sets kStatusInvalidCounts there and makes every output NaN),
 // exactly as ops.cpp does for the token-major forward: nothing reads it here (no sync); Python reads
 // it when asked (smoe_torch.expert_major.raise_if_expert_major_error, one sync). The backward passes
-// the same record (optional in the API: a bad saved state, kStatusBadSavedState). The record is this
-// file's own (ops.cpp's is internal to that translation unit), so smoe_torch.raise_if_nonfinite does
-// not see these flags.
+// the same record (optional in the API: a bad saved state, kStatusBadSavedState). It is the one record
+// of smoe_torch._C (common.h), shared with the token-major ops, so smoe_torch.raise_if_nonfinite sees
+// these flags too; expert_major_status / _reset_status read and clear that same record.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -28,23 +28,17 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <mutex>
 #include <string>
 #include <tuple>
-#include <vector>
 
+#include "common.h"
 #include "smoe/expert_major.h"
 
 namespace {
 
-// Numbers, shapes, devices and dtypes are formatted with std::to_string / c10::toString, never with
-// iostreams (ops.cpp: formatting an integer through the process's locale crashed this extension).
-std::string num(int64_t v) { return std::to_string(v); }
-std::string dims(at::IntArrayRef a) {
-  std::string s = "[";
-  for (size_t i = 0; i < a.size(); ++i) s += (i ? ", " : "") + std::to_string(a[i]);
-  return s + "]";
-}
+using namespace smoe_torch;  // common.h: num, dims, throw_if, bytes, pointer casts, device_status
+
+// Devices and dtypes are formatted with c10 strings, never with iostreams (common.h says why).
 std::string dev(const at::Tensor& t) { return t.device().str(); }
 std::string dt(at::ScalarType s) { return c10::toString(s); }
 
@@ -64,10 +58,6 @@ void check_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype, i
 
 void check_same_device(const at::Tensor& t, const char* name, const at::Tensor& x) {
   TORCH_CHECK(t.device() == x.device(), kPre, name, " must be on x's device ", dev(x), " (got ", dev(t), ")");
-}
-
-void throw_if(const smoe::Status& s) {
-  TORCH_CHECK(s.ok(), "smoe: ", s.message, " [", smoe::status_code_name(s.code), "]");
 }
 
 const char* layout_name(int64_t g) {
@@ -125,34 +115,6 @@ smoe::ExpertMajorShape layer_shape(const at::Tensor& x, const at::Tensor& probs,
   s.segmented = segmented;
   throw_if(smoe::expert_major_can_implement(s));
   return s;
-}
-
-at::Tensor bytes(int64_t n, const at::Tensor& like) {
-  return at::empty({std::max<int64_t>(n, 1)}, like.options().dtype(at::kByte));
-}
-
-// One sticky status record per device for this layer (as ops.cpp's device_status): created and
-// reset on first use, on the current stream; never read here.
-smoe::DeviceStatus* device_status(const at::Tensor& like) {
-  static std::mutex mu;
-  static std::vector<at::Tensor> per_device(64);
-  std::lock_guard<std::mutex> lock(mu);
-  const int dev_index = like.get_device();
-  TORCH_CHECK(dev_index >= 0 && dev_index < 64, kPre, "device index out of range");
-  if (!per_device[dev_index].defined()) {
-    per_device[dev_index] =
-        at::empty({static_cast<int64_t>(sizeof(smoe::DeviceStatus))}, like.options().dtype(at::kByte));
-    throw_if(smoe::reset_device_status(reinterpret_cast<smoe::DeviceStatus*>(per_device[dev_index].data_ptr()),
-                                       at::cuda::getCurrentCUDAStream()));
-  }
-  return reinterpret_cast<smoe::DeviceStatus*>(per_device[dev_index].data_ptr());
-}
-
-const smoe::bf16* bf16_ptr(const at::Tensor& t) {
-  return t.defined() ? reinterpret_cast<const smoe::bf16*>(t.data_ptr()) : nullptr;
-}
-smoe::bf16* bf16_out(const at::Tensor& t) {
-  return t.defined() ? reinterpret_cast<smoe::bf16*>(t.data_ptr()) : nullptr;
 }
 
 std::tuple<at::Tensor, at::Tensor> expert_major_fwd(const at::Tensor& x, const at::Tensor& counts,
@@ -245,7 +207,7 @@ expert_major_bwd(const at::Tensor& dout, const at::Tensor& x, const c10::optiona
   return {dx, dw1, dw3_out, dw2, dprobs_out};
 }
 
-// A copy (enqueued on the current stream) of this layer's status record of like's device:
+// A copy (enqueued on the current stream) of the status record of like's device (common.h):
 // flags u32 (kStatusInvalidCounts = 32, kStatusBadSavedState = 16), u32, i64 (unused here).
 at::Tensor expert_major_status(const at::Tensor& like) {
   TORCH_CHECK(like.is_cuda(), kPre, "like must be a CUDA tensor (got device ", dev(like), ")");

@@ -7,23 +7,15 @@
 #include <torch/extension.h>
 
 #include <cstdint>
-#include <mutex>
 #include <tuple>
 #include <vector>
 
+#include "common.h"
 #include "smoe/smoe.h"
 
 namespace {
 
-// Numbers and shapes are formatted with std::to_string, never with iostreams: built on the GPU
-// machine, this extension crashed formatting an integer through the process's locale (a
-// libstdc++ mismatch between the build toolchain and the one Python loads).
-std::string num(int64_t v) { return std::to_string(v); }
-std::string dims(at::IntArrayRef a) {
-  std::string s = "[";
-  for (size_t i = 0; i < a.size(); ++i) s += (i ? ", " : "") + std::to_string(a[i]);
-  return s + "]";
-}
+using namespace smoe_torch;  // common.h: num, dims, throw_if, bytes, pointer casts, device_status
 
 void check_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t dim) {
   TORCH_CHECK(t.is_cuda(), "smoe: ", name, " must be a CUDA tensor (got device ", t.device(), ")");
@@ -33,10 +25,6 @@ void check_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype, i
   TORCH_CHECK(t.is_contiguous(), "smoe: ", name, " must be contiguous");
   TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, "smoe: ", name,
               " must be 16-byte aligned (a view at an odd offset is not)");
-}
-
-void throw_if(const smoe::Status& s) {
-  TORCH_CHECK(s.ok(), "smoe: ", s.message, " [", smoe::status_code_name(s.code), "]");
 }
 
 // w_router undefined: caller-provided routing (E from w1). w3 defined: gate/up as two tensors,
@@ -79,29 +67,6 @@ smoe::MoEShape layer_shape(const at::Tensor& x, const at::Tensor& w_router, cons
   smoe::MoEShape s{T, static_cast<int>(d), static_cast<int>(n), static_cast<int>(E), static_cast<int>(top_k)};
   throw_if(smoe::moe_can_implement(s));
   return s;
-}
-
-at::Tensor bytes(int64_t n, const at::Tensor& like) {
-  return at::empty({std::max<int64_t>(n, 1)}, like.options().dtype(at::kByte));
-}
-
-// One sticky numerical status per device, read with smoe::nonfinite_status().
-smoe::DeviceStatus* device_status(const at::Tensor& like) {
-  static std::mutex mu;
-  static std::vector<at::Tensor> per_device(64);
-  std::lock_guard<std::mutex> lock(mu);
-  const int dev = like.get_device();
-  TORCH_CHECK(dev >= 0 && dev < 64, "smoe: device index out of range");
-  if (!per_device[dev].defined()) {
-    per_device[dev] = at::empty({static_cast<int64_t>(sizeof(smoe::DeviceStatus))}, like.options().dtype(at::kByte));
-    throw_if(smoe::reset_device_status(reinterpret_cast<smoe::DeviceStatus*>(per_device[dev].data_ptr()),
-                                       at::cuda::getCurrentCUDAStream()));
-  }
-  return reinterpret_cast<smoe::DeviceStatus*>(per_device[dev].data_ptr());
-}
-
-const smoe::bf16* bf16_ptr(const at::Tensor& t) {
-  return t.defined() ? reinterpret_cast<const smoe::bf16*>(t.data_ptr()) : nullptr;
 }
 
 // rounding: -1 for plain top-K softmax, else a smoe::TokenRoundingMode (0 NR, 1 UP, 2 DOWN, 3 SR).
