@@ -665,3 +665,65 @@ def test_update_expert_bias_all_reduces_over_data_parallel_ranks(tmp_path):
     want = want - want.mean()
     assert torch.allclose(torch.tensor(res[0]["bias"]), want)
     assert res[0]["tpe"] == [0.0] * 8  # counts reset after the update
+
+
+def _ops_run_in(fn):
+    """Names of the ops dispatched while fn() runs (the profiler sees the autograd engine's threads too)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return [e.name for e in prof.events()]
+
+
+@pytest.mark.parametrize("layer", ["module", "expert_major"])
+def test_selective_checkpoint_keeps_the_smoe_ops_and_recomputes_the_rest(layer):
+    """smoe_torch.checkpoint.context_fn(): the backward of a checkpointed block runs no smoe forward op
+    (its outputs were saved) but recomputes the dense projection, and the gradients are bitwise those
+    of the block without checkpointing. Plain checkpointing reruns the smoe op (so the check can fail)."""
+    from torch.utils.checkpoint import checkpoint
+    import smoe_torch.checkpoint as sc
+    torch.manual_seed(0)
+    d, n, E, K, T = 128, 64, 8, 2, 256
+    lin = torch.nn.Linear(d, d, bias=False).cuda().bfloat16()
+    if layer == "module":
+        m = smoe_torch.MoE(d, n, E, K, load_balance_coeff=1e-3).cuda()
+        op = "smoe::moe_forward_routed"  # expert_bias: the router runs in torch, the experts on provided routing
+        params = [lin.weight, m.router.gate.weight, m.experts.w1, m.experts.w2, m.experts.w3]
+
+        def block(x):
+            return m(lin(x))
+    else:
+        w1 = (torch.randn(E, 2 * n, d, device="cuda") / math.sqrt(d)).bfloat16().requires_grad_(True)
+        w2 = (torch.randn(E, d, n, device="cuda") / math.sqrt(n)).bfloat16().requires_grad_(True)
+        counts = torch.tensor([40, 0, 33, 100, 1, 50, 12, 20], dtype=torch.int32, device="cuda")
+        op = "smoe::expert_major_fwd"
+        params = [lin.weight, w1, w2]
+
+        def block(x):
+            return smoe_torch.expert_major(lin(x), counts, w1, w2)
+    x0 = torch.randn(T, d, device="cuda", dtype=torch.bfloat16)
+    dout = torch.randn_like(x0)
+
+    def run(context_fn):
+        x = x0.clone().requires_grad_(True)
+        for p in params:
+            p.grad = None
+        if context_fn == "none":
+            y = block(x)
+        elif context_fn == "plain":
+            y = checkpoint(block, x, use_reentrant=False)
+        else:
+            y = checkpoint(block, x, use_reentrant=False, context_fn=context_fn)
+        names = _ops_run_in(lambda: y.backward(dout))
+        return [y.detach(), x.grad] + [p.grad for p in params], names
+
+    want, names_none = run("none")
+    got, names_sac = run(sc.context_fn())
+    _, names_plain = run("plain")
+    assert op not in names_none and op not in names_sac, "the backward of the selective checkpoint reran the layer"
+    assert op in names_plain, "plain checkpointing should rerun the layer (else this test cannot fail)"
+    mm = "aten::mm"
+    assert names_sac.count(mm) > names_none.count(mm), "the dense projection was not recomputed"
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    if layer == "module":
+        assert m.tokens_per_expert.sum().item() == 3 * T * K  # three forwards, each counted once
