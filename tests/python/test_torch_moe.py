@@ -727,3 +727,22 @@ def test_selective_checkpoint_keeps_the_smoe_ops_and_recomputes_the_rest(layer):
         assert torch.equal(a, b)
     if layer == "module":
         assert m.tokens_per_expert.sum().item() == 3 * T * K  # three forwards, each counted once
+
+
+@pytest.mark.parametrize("impl", ["foreach", "fused"])
+def test_adamw_on_the_packed_module_updates_like_dense_params(impl):
+    """w1 / w3 are strided halves of one storage (packing.py): an AdamW step on them (torch's foreach
+    and fused CUDA kernels, torchtitan's defaults) must equal the same step on dense copies."""
+    torch.manual_seed(0)
+    m = smoe_torch.MoE(128, 64, 8, 2).cuda()
+    assert not m.experts.w1.is_contiguous()  # packed: the case this test is about
+    names = [n for n, _ in m.named_parameters()]
+    x = torch.randn(256, 128, device="cuda")
+    m(x).float().square().mean().backward()
+    dense = [torch.nn.Parameter(p.detach().clone().contiguous()) for p in m.parameters()]
+    for q, p in zip(dense, m.parameters()):
+        q.grad = p.grad.detach().clone().contiguous()
+    torch.optim.AdamW(dense, lr=1e-2, **{impl: True}).step()
+    torch.optim.AdamW(m.parameters(), lr=1e-2, **{impl: True}).step()
+    for n, p, q in zip(names, m.parameters(), dense):
+        assert torch.equal(p.detach(), q.detach()), f"{impl} AdamW: {n} differs from the dense step"
