@@ -38,7 +38,7 @@ def interleave(w1, w3):
 def module_for(x, wr, w1, w3, w2, K, unpacked):
     import smoe_torch
     E, n, d = w1.shape
-    m = smoe_torch.MoE(d, n, E, K).to(device=x.device, dtype=torch.bfloat16)
+    m = smoe_torch.MoE(d, n, E, K, pack_gate_up=True).to(device=x.device, dtype=torch.bfloat16)
     m.load_state_dict({"router.gate.weight": wr.detach(), "experts.w1": w1.detach(),
                        "experts.w2": w2.detach(), "experts.w3": w3.detach()})
     if unpacked:

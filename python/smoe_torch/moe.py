@@ -2,11 +2,11 @@
 
 torchtitan's MoE keeps `router.gate.weight` [E, d], `experts.w1` (gate) [E, n, d],
 `experts.w2` [E, d, n] and `experts.w3` (up) [E, n, d]; its state dicts load unchanged here.
-The kernels take gate and up interleaved by row ([E, 2n, d], row 2j gate j, row 2j+1 up j). The
-parameters w1 and w3 are allocated as the two halves of one [E, n, 2, d] storage (packing.py), so
-that operand is a view of them: no per-step copy of the expert weights when they are bf16. Cast
-from fp32, sharded (FSDP2 / DTensor) or replaced by hand, they go to the kernels as two tensors
-(the ops' w3), still without a stack; only the EP path stacks them once per step.
+The kernels take gate and up interleaved by row ([E, 2n, d], row 2j gate j, row 2j+1 up j). By
+default w1 and w3 are dense parameters and go to the kernels as two tensors (the ops' w3), without
+a stack; with pack_gate_up=True they are the two halves of one [E, n, 2, d] storage (packing.py),
+so that operand is a view of them (no per-step copy when they are bf16; fused optimizers refuse
+such strided parameters). Only the EP path stacks them once per step.
 """
 import torch
 import torch.nn as nn
@@ -138,8 +138,9 @@ class SharedExperts(PackedGateUp):
     w1 (gate) [h, d], w2 [d, h], w3 (up) [h, d] as nn.Linear weights, h = hidden_dim * count. Runs on
     the same kernels as a one-expert MoE every token is routed to with score 1."""
 
-    def __init__(self, dim, hidden_dim):
+    def __init__(self, dim, hidden_dim, pack_gate_up=False):
         super().__init__()
+        self.pack_gate_up = bool(pack_gate_up)
         self.w1 = nn.Linear(dim, hidden_dim, bias=False)
         self.w2 = nn.Linear(hidden_dim, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)
@@ -210,6 +211,9 @@ class MoE(nn.Module):
         token_rounding: None or "nr" | "up" | "down" | "sr" (SonicMoE TR, fused router only).
         num_shared_experts: > 0 adds `shared_experts` (SharedExperts, hidden hidden_dim * count),
             applied to every token and added to the routed output.
+        pack_gate_up: keep w1 / w3 (routed and shared) as the two halves of one interleaved storage,
+            so bf16 parameters reach the kernels with no per-step copy (packing.py). Off by default:
+            the halves are not dense, and torch's fused optimizers (AdamW(fused=True)) refuse them.
         bf16_logits: take top-K of bf16 logits (torchtitan / SonicMoE under autocast); routes in torch.
         ep_group: a smoe_torch.ep.EpGroup (expert parallelism over the GPUs of one node): the module
             then holds only this rank's num_experts / R experts (`experts`, global expert
@@ -227,7 +231,7 @@ class MoE(nn.Module):
     def __init__(self, dim, hidden_dim, num_experts, top_k, aux_loss_coef=0.0, score_func="softmax",
                  route_norm=True, route_scale=1.0, num_expert_groups=None, num_limited_groups=None,
                  load_balance_coeff=None, token_rounding=None, bf16_logits=False, rounding_seed=0,
-                 num_shared_experts=0, ep_group=None, dp_group=None):
+                 num_shared_experts=0, ep_group=None, dp_group=None, pack_gate_up=False):
         super().__init__()
         _check_module_args(dim, hidden_dim, num_experts, top_k, aux_loss_coef, load_balance_coeff, num_shared_experts)
         self.ep_group = ep_group
@@ -240,7 +244,8 @@ class MoE(nn.Module):
         self.dim, self.hidden_dim, self.num_experts, self.top_k = dim, hidden_dim, num_experts, top_k
         self.router = TokenChoiceTopKRouter(dim, num_experts, top_k, score_func, route_norm, route_scale,
                                             num_expert_groups, num_limited_groups)
-        self.experts = GroupedExperts(dim, hidden_dim, num_experts if ep_group is None else ep_group.experts_per_rank)
+        self.experts = GroupedExperts(dim, hidden_dim, num_experts if ep_group is None else ep_group.experts_per_rank,
+                                      pack_gate_up)
         self.aux_loss_coef = aux_loss_coef
         self.aux_loss = None
         if token_rounding is not None and (not self.router.fused() or bf16_logits):
@@ -255,7 +260,7 @@ class MoE(nn.Module):
             self.register_buffer("tokens_per_expert", torch.zeros(num_experts, dtype=torch.float32), persistent=False)
         else:
             self.expert_bias = None
-        self.shared_experts = SharedExperts(dim, hidden_dim * num_shared_experts) if num_shared_experts > 0 else None
+        self.shared_experts = SharedExperts(dim, hidden_dim * num_shared_experts, pack_gate_up) if num_shared_experts > 0 else None
         self.init_weights()
 
     def init_weights(self, std=0.02):

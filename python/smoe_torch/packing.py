@@ -17,6 +17,14 @@ gradients.
 The layout survives `.to()` / `.cuda()` / `to_empty()` (the modules re-pack in `_apply`),
 `load_state_dict` (in-place copies keep it; `assign=True` is re-packed by a post hook) and
 `copy.deepcopy` / pickling (re-packed in `__setstate__`).
+
+Packing is OPT-IN (`pack_gate_up=True`): packed halves are strided, not dense, and torch's fused
+optimizers refuse them (CUDA `AdamW(fused=True)`, torchtitan's default: "params, grads, exp_avgs, and
+exp_avg_sqs must have same dtype, device, and layout", measured on the H200 at 29ae5a4; the CPU fused
+kernel silently updates the wrong elements). It pays only for bf16 parameters (no per-step copy of
+w1 / w3; an fp32 pair is cast anyway, and goes to the kernels as two tensors): ~2.5-4% of a layer
+step (bench/results/h200/module_vs_op.json). By default the parameters are dense and reach the kernels
+as two tensors (gate / up halves, no stack).
 No torch extension is imported here: the CPU tests check this module without a GPU.
 """
 import torch
@@ -102,14 +110,17 @@ def pack_pair_(w1, w3):
 
 
 class PackedGateUp(torch.nn.Module):
-    """Keeps a module's (gate, up) parameter pair packed in one storage (packing.py): after every
-    `.to()` / `.cuda()` / `to_empty()` and every `load_state_dict`. Subclasses name the pair."""
+    """With `pack_gate_up` True, keeps a module's (gate, up) parameter pair packed in one storage
+    (above): after every `.to()` / `.cuda()` / `to_empty()` and every `load_state_dict`. False (the
+    default): the parameters stay dense, as any optimizer wants them. Subclasses name the pair."""
+
+    pack_gate_up = False  # a class default, so modules pickled before the flag existed still load
 
     def _gate_up(self):
         raise NotImplementedError
 
     def _repack(self):
-        return pack_pair_(*self._gate_up())
+        return pack_pair_(*self._gate_up()) if self.pack_gate_up else False
 
     def _apply(self, *args, **kwargs):
         out = super()._apply(*args, **kwargs)  # moves each parameter on its own: re-pack after
@@ -142,13 +153,15 @@ class PackedGateUp(torch.nn.Module):
 
 
 class GroupedExperts(PackedGateUp):
-    """torchtitan's GroupedExperts parameters: w1 (gate) [E, n, d], w2 [E, d, n], w3 (up) [E, n, d].
-    w1 and w3 are views of one [E, n, 2, d] storage (see above), so the kernels read them with no
-    per-step copy; names, shapes and state-dict keys are torchtitan's."""
+    """torchtitan's GroupedExperts parameters: w1 (gate) [E, n, d], w2 [E, d, n], w3 (up) [E, n, d];
+    names, shapes and state-dict keys are torchtitan's. pack_gate_up=True: w1 and w3 are views of one
+    [E, n, 2, d] storage (see above), so the kernels read bf16 ones with no per-step copy (not with a
+    fused optimizer)."""
 
-    def __init__(self, dim, hidden_dim, num_experts):
+    def __init__(self, dim, hidden_dim, num_experts, pack_gate_up=False):
         super().__init__()
         self.num_experts = num_experts
+        self.pack_gate_up = bool(pack_gate_up)
         self.w1 = torch.nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w2 = torch.nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w3 = torch.nn.Parameter(torch.empty(num_experts, hidden_dim, dim))

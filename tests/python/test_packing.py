@@ -31,7 +31,7 @@ def stacked(w1, w3, dtype):
 
 def experts(E=3, n=5, d=7, seed=0, dtype=torch.float32):
     torch.manual_seed(seed)
-    m = packing.GroupedExperts(d, n, E).to(dtype)
+    m = packing.GroupedExperts(d, n, E, pack_gate_up=True).to(dtype)
     m.init_weights(0.5)
     return m
 
@@ -84,7 +84,7 @@ def test_moves_and_casts_repack():
     assert m.w1 is w1_obj, "the Parameter objects survive (optimizers keep their references)"
     assert packing.is_packed_pair(m.w1, m.w3)
     assert is_view_of_params(m.interleaved_w1(torch.bfloat16), m)
-    meta = packing.GroupedExperts(8, 4, 2).to("meta")
+    meta = packing.GroupedExperts(8, 4, 2, pack_gate_up=True).to("meta")
     assert not packing.is_packed_pair(meta.w1, meta.w3)
     real = meta.to_empty(device="cpu")
     assert packing.is_packed_pair(real.w1, real.w3), "to_empty re-packs"
@@ -156,3 +156,28 @@ def test_compiling_falls_back_to_the_stack():
     m = experts()
     f = torch.compile(lambda: m.interleaved_w1(torch.float32), backend="eager", fullgraph=True)
     assert torch.equal(f(), stacked(m.w1, m.w3, torch.float32))
+
+
+def test_default_is_dense_and_fused_adamw_updates_it_right():
+    """Without pack_gate_up the pair stays dense through casts, loads and copies (so torch's fused
+    optimizers, which need dense parameters, take it), and a fused AdamW step equals the
+    single-tensor one. The packed pair is what the CPU fused kernel gets wrong (so this can fail)."""
+    torch.manual_seed(0)
+    m = packing.GroupedExperts(7, 5, 3).to(torch.float64)
+    m.init_weights(0.5)
+    assert not packing.is_packed_pair(m.w1, m.w3) and all(p.is_contiguous() for p in m.parameters())
+    m.load_state_dict({k: v.clone() for k, v in m.state_dict().items()}, assign=True)
+    for c in (m, copy.deepcopy(m), m.to(torch.float32).to(torch.float64)):
+        assert all(p.is_contiguous() for p in c.parameters())
+    op1, op3 = m.gate_up_operands(torch.float64)
+    assert op1.data_ptr() == m.w1.data_ptr() and op3.data_ptr() == m.w3.data_ptr(), "two tensors, no copy"
+
+    def step(mod, fused):
+        for p in mod.parameters():
+            p.grad = torch.linspace(-1, 1, p.numel(), dtype=p.dtype).reshape(p.shape)
+        torch.optim.AdamW(mod.parameters(), lr=0.1, fused=fused, foreach=False if not fused else None).step()
+        return [p.detach().clone() for p in mod.parameters()]
+
+    want = step(copy.deepcopy(m), fused=False)
+    for a, b in zip(step(copy.deepcopy(m), fused=True), want):
+        assert torch.allclose(a, b, rtol=0, atol=1e-12)

@@ -112,6 +112,8 @@ def test_same_init_in_every_variant():
         import smoe_torch
     except Exception:  # noqa: BLE001  (not built on the CPU machine)
         return
+    if not hasattr(smoe_torch, "MoE"):  # another test's stand-in package (the drop-ins' tests without _C)
+        return
     m = smoe_torch.MoE(d, n, E, a.top_k, num_shared_experts=a.shared)
     assert {k: tuple(v.shape) for k, v in m.state_dict().items()} == want
     b = tl.init_params(tl.LM(a, lambda: tl.make_smoe(smoe_torch, a, None), torch.float32), 3, a.layers)
