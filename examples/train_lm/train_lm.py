@@ -273,15 +273,9 @@ class SonicMoE(nn.Module):
 
 def make_smoe(smoe_torch, a, rounding):
     m = smoe_torch.MoE(a.dim, a.hidden, a.experts, a.top_k, token_rounding=rounding, num_shared_experts=a.shared)
-    # smoe packs w1/w3 as the two halves of one storage: non-dense views. Fused AdamW refuses those on
-    # CUDA (check_fast_path_restrictions) and on the CPU updates them as if dense, writing into the
-    # other half (torch 2.15). With fp32 master weights the packing saves nothing (the cast to bf16
-    # copies), so each parameter gets its own dense storage; the module then hands the kernels gate
-    # and up as two tensors.
-    with torch.no_grad():
-        for p in m.parameters():
-            if not p.is_contiguous():
-                p.data = p.data.clone(memory_format=torch.contiguous_format)
+    # The module's parameters are dense by default (pack_gate_up=False), which fused AdamW needs: packed
+    # halves are refused on CUDA and updated wrongly on the CPU. Checked, so a changed default shows.
+    assert all(p.is_contiguous() for p in m.parameters()), "smoe_torch.MoE parameters must be dense here"
     return m
 
 
