@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["A2APlan", "layout", "dispatch", "to_expert_major", "run_experts", "from_expert_major", "combine",
-           "moe_ep_a2a", "A2AExpertParallel", "default_experts_fn"]
+           "moe_ep_a2a", "A2AExpertParallel", "clip_grad_norm_", "default_experts_fn"]
 
 
 def default_experts_fn(x):
@@ -298,24 +298,91 @@ def moe_ep_a2a(x, topk_idx, topk_scores, w1, w3, w2, group=None, *, experts_fn=N
 class A2AExpertParallel(torch.nn.Module):
     """The local experts of an all-to-all EP group as a module (torchtitan's GroupedExperts layout:
     w1 / w3 gate / up [E/P, n, d], w2 [E/P, d, n]); forward(x, topk_idx, topk_scores) -> [T, d].
-    The router is the caller's. Expert gradients are local: never average them over the EP group."""
+    The router is the caller's. Expert gradients are local: never average them over the EP group.
 
-    def __init__(self, d, n, num_experts, group=None, experts_fn=None, device=None, dtype=None):
+    mesh (a 1-D DeviceMesh over the EP group; the group is then mesh.get_group()): the three weights
+    become DTensors of global shape [E, n, d] / [E, d, n], Shard(0) on the mesh (the local shard is
+    this rank's E/P experts, as without a mesh). Without one, every rank's plain Parameters carry the
+    same names and shapes, so DCP saves one rank's experts as all of them ([E/P, ...]) and
+    clip_grad_norm_ sees only this rank's experts; with it, DCP saves [E, ...] in shards and a DTensor
+    norm covers all experts. Mixed with plain (replicated) parameters, use this module's
+    clip_grad_norm_ (torch's raises on mixed Tensor and DTensor grads)."""
+
+    def __init__(self, d, n, num_experts, group=None, experts_fn=None, device=None, dtype=None, mesh=None):
         super().__init__()
+        if mesh is not None:
+            if mesh.ndim != 1:
+                raise ValueError(f"mesh must be 1-D (the EP group), got {mesh.ndim} dims")
+            if group is not None and group is not mesh.get_group():
+                raise ValueError("pass either group or mesh (mesh.get_group() is the EP group)")
+            group = mesh.get_group()
         world = dist.get_world_size(group)
         if num_experts % world:
             raise ValueError(f"num_experts = {num_experts} must be a multiple of the EP group size {world}")
         El = num_experts // world
         f = dict(device=device, dtype=dtype)
-        self.w1 = torch.nn.Parameter(torch.empty(El, n, d, **f))
-        self.w3 = torch.nn.Parameter(torch.empty(El, n, d, **f))
-        self.w2 = torch.nn.Parameter(torch.empty(El, d, n, **f))
-        self.group, self.experts_fn, self.num_experts = group, experts_fn, num_experts
+
+        def param(*shape):
+            t = torch.empty(El, *shape, **f)
+            if mesh is not None:
+                from torch.distributed.tensor import DTensor, Shard  # noqa: PLC0415
+                # Even shards, so from_local infers the global shape [E, ...]; run_check=False: no
+                # collective (its default differs between torch versions).
+                t = DTensor.from_local(t, mesh, [Shard(0)], run_check=False)
+            return torch.nn.Parameter(t)
+
+        self.w1, self.w3, self.w2 = param(n, d), param(n, d), param(d, n)
+        self.group, self.experts_fn, self.num_experts, self.mesh = group, experts_fn, num_experts, mesh
         self.reset_parameters()
 
+    def _local(self, w):
+        # to_local is differentiable: its backward wraps the local gradient back into a Shard(0) DTensor.
+        return w.to_local() if self.mesh is not None else w
+
     def reset_parameters(self, std=0.02):
-        for w in (self.w1, self.w3, self.w2):
-            torch.nn.init.trunc_normal_(w, std=std)
+        # Init the local shard itself (a DTensor init op would draw from DTensor's own RNG offsets), so a
+        # rank's values match the plain path's for the same torch seed.
+        with torch.no_grad():
+            for w in (self.w1, self.w3, self.w2):
+                torch.nn.init.trunc_normal_(self._local(w), std=std)
 
     def forward(self, x, topk_idx, topk_scores):
-        return moe_ep_a2a(x, topk_idx, topk_scores, self.w1, self.w3, self.w2, self.group, experts_fn=self.experts_fn)
+        w1, w3, w2 = (self._local(w) for w in (self.w1, self.w3, self.w2))
+        return moe_ep_a2a(x, topk_idx, topk_scores, w1, w3, w2, self.group, experts_fn=self.experts_fn)
+
+
+def _mesh_key(t):
+    from torch.distributed.tensor import DTensor  # noqa: PLC0415
+    return id(t.device_mesh) if isinstance(t, DTensor) else None
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False):
+    """torch.nn.utils.clip_grad_norm_ for a mix of plain (replicated) and DTensor (e.g. the EP experts')
+    gradients, which torch's rejects ('mixed torch.Tensor and DTensor', torch 2.11 and 2.15 alike).
+    The grads are grouped by mesh (plain ones as one group); each group's norm is a plain tensor (a
+    DTensor group's is reduced over its mesh by full_tensor, so every rank gets the same value), the
+    groups' norms combine as torch's do, and every grad is scaled by min(1, max_norm / (norm + 1e-6)).
+    No foreach: the same per-tensor norms in the same order on every rank. Returns the total norm."""
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    grads = [p.grad for p in parameters if p.grad is not None]
+    norm_type = float(norm_type)
+    if not grads:
+        return torch.tensor(0.0)
+    groups = {}
+    for g in grads:
+        groups.setdefault(_mesh_key(g), []).append(g)
+    norms = []
+    for key, gs in groups.items():
+        n = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, norm_type) for g in gs]), norm_type)
+        norms.append(n.full_tensor() if key is not None else n)
+    dev = grads[0].device
+    total = torch.linalg.vector_norm(torch.stack([n.to(dev) for n in norms]), norm_type)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite")
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for g in grads:
+        # the local shard in place (under no_grad to_local is the DTensor's own local tensor)
+        (g.to_local() if _mesh_key(g) is not None else g).mul_(coef.to(g.device))
+    return total

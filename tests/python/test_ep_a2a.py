@@ -6,6 +6,11 @@ weight) must equal a single-process run of the twin over all E experts and all t
 float64, 1e-5 in float32), and a naive per-expert loop; cases: an expert that gets no rows, a rank
 that sends nothing to the other, a rank that receives nothing, a rank with no tokens, empty slots,
 K = 1, 2, 4; a second call bitwise identical; a bad id is an error on both ranks (no hang).
+DTensor experts (A2AExpertParallel(mesh=...), CPU, float64): forward / backward bitwise equal to the
+plain-Parameter path with Shard(0) DTensor grads; ep_a2a.clip_grad_norm_ over a replicated router + the
+experts equal to one process over all E experts (the plain path's per-rank norms are shown wrong); DCP
+saves global [E, ...] (the plain path [E/P, ...]), loads back at EP = 2, and loads in one process with no
+process group into the concatenation of both ranks' shards.
 GPU (skips without 2 CUDA GPUs or an extension with expert_major): NCCL, bf16, smoe_torch.expert_major
 against one GPU within the bf16 bound, and bitwise repeatable. On ONE GPU the same EP = 2 check runs
 with both ranks on cuda:0 and gloo carrying the hops on the CPU (the expert-major kernels on the GPU,
@@ -255,6 +260,195 @@ def test_ep2_a2a_matches_one_process_cpu(cpu_results, case, dtype):
 def test_bad_id_raises_on_every_rank(cpu_results):
     for rank, res in cpu_results:
         assert res["bad_id"] == "ValueError", f"rank {rank}: {res['bad_id']}"
+
+
+# ---- DTensor experts (mesh=): gradients, clip_grad_norm_, DCP -------------------------------------------
+# One spawn for all three: (1) forward / backward with mesh= bitwise equal to the plain path, the grads
+# Shard(0) DTensors; (2) clipping a replicated router + the EP experts against one process over all E
+# experts' grads (and the plain path's per-rank norms, which are wrong); (3) DCP save / load at EP = 2 and
+# a no-dist load of the same checkpoint in this (pytest's) process into full [E, ...] tensors.
+DT = dict(T=(10, 7), d=8, n=6, E=4, K=2, max_norm=1e-3)
+
+
+def _ep_modules(ep_a2a, twin, mesh, seed, rank):
+    """(plain, mesh) modules with the same local values: the same torch seed on this rank."""
+    cfg = dict(experts_fn=twin, dtype=torch.float64)
+    torch.manual_seed(seed + rank)
+    plain = ep_a2a.A2AExpertParallel(DT["d"], DT["n"], DT["E"], **cfg)
+    torch.manual_seed(seed + rank)
+    return plain, ep_a2a.A2AExpertParallel(DT["d"], DT["n"], DT["E"], mesh=mesh, **cfg)
+
+
+def _lst(t):
+    return t.detach().tolist()          # float64 -> Python floats: exact, and no shared memory across the queue
+
+
+def _dt_worker(rank, world, port, ckpt, q):
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    res = {}
+    try:
+        ep_a2a = load_ep_a2a()
+        twin = functools.partial(load_twin()[0], dtype=torch.float64)
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+        (T0, T1), d, E, K = DT["T"], DT["d"], DT["E"], DT["K"]
+        g = torch.Generator().manual_seed(4321)
+        x_all = torch.randn(T0 + T1, d, generator=g, dtype=torch.float64)
+        dout_all = torch.randn(T0 + T1, d, generator=g, dtype=torch.float64)
+        idx_all, s_all = make_routing("hot", T0 + T1, T0, E, K, g)
+        tl = slice(0, T0) if rank == 0 else slice(T0, T0 + T1)
+        names = ("w1", "w3", "w2")
+
+        # (1) the same step through both paths
+        plain, dt = _ep_modules(ep_a2a, twin, mesh, 100, rank)
+        res["group_is_mesh_group"] = dt.group is mesh.get_group()
+        res["init_equal"] = all(torch.equal(getattr(plain, k), getattr(dt, k).to_local()) for k in names)
+        res["global_shapes"] = [list(getattr(dt, k).shape) for k in names]
+        res["local_shapes"] = [list(getattr(dt, k).to_local().shape) for k in names]
+        outs = []
+        for m in (plain, dt):
+            x = x_all[tl].clone().requires_grad_(True)
+            s = s_all[tl].clone().requires_grad_(True)
+            out = m(x, idx_all[tl], s)
+            out.backward(dout_all[tl])
+            outs.append([out.detach(), x.grad, s.grad])
+        res["fwd_bwd_bitwise"] = all(torch.equal(a, b) for a, b in zip(*outs))
+        gd = [getattr(dt, k).grad for k in names]
+        res["grad_is_dtensor_shard0"] = all(isinstance(t, DTensor) and tuple(t.placements) == (Shard(0),) for t in gd)
+        res["grad_local_bitwise"] = all(torch.equal(t.to_local(), getattr(plain, k).grad) for t, k in zip(gd, names))
+
+        # (3, distributed part) DCP: save both paths, load the mesh one back into a fresh EP = 2 module
+        dcp.save(dt.state_dict(), checkpoint_id=os.path.join(ckpt, "mesh"))
+        dcp.save(plain.state_dict(), checkpoint_id=os.path.join(ckpt, "plain"))
+        fresh = _ep_modules(ep_a2a, twin, mesh, 777, rank)[1]
+        res["fresh_differs"] = not torch.equal(fresh.w1.to_local(), dt.w1.to_local())
+        dcp.load(fresh.state_dict(), checkpoint_id=os.path.join(ckpt, "mesh"))
+        res["dcp_roundtrip_equal"] = all(torch.equal(getattr(fresh, k).to_local(), getattr(dt, k).to_local())
+                                         for k in names)
+        res["shards"] = {k: _lst(getattr(dt, k).to_local()) for k in names}
+
+        # (2) clipping: a replicated router (same init on both ranks, grad averaged as DDP does) + the experts
+        def step(experts):
+            torch.manual_seed(5)
+            router = torch.nn.Linear(d, E, dtype=torch.float64)
+            x = x_all[tl]
+            vals, idx = router(x).topk(K, dim=-1)
+            experts(x, idx, vals.softmax(-1)).backward(dout_all[tl])
+            for p in router.parameters():
+                dist.all_reduce(p.grad)
+                p.grad /= world
+            return list(router.parameters()) + [getattr(experts, k) for k in names]
+
+        plain, dt = _ep_modules(ep_a2a, twin, mesh, 200, rank)
+        params = step(dt)
+        local = lambda t: t.to_local() if isinstance(t, DTensor) else t  # noqa: E731
+        res["pre"] = [_lst(local(p.grad)) for p in params]
+        # torch's own: over the DTensor grads alone it is the full norm (max_norm inf: coef 1, grads unchanged) ...
+        res["torch_expert_norm"] = torch.nn.utils.clip_grad_norm_(params[2:], float("inf")).full_tensor().item()
+        # ... mixed with the plain router grads it raises in torch 2.11 and 2.15 (recorded, not assumed)
+        copies = [torch.nn.Parameter(p.detach().clone()) for p in params]
+        for c, p in zip(copies, params):
+            c.grad = p.grad.clone()
+        try:
+            res["torch_mixed"] = ("norm", torch.nn.utils.clip_grad_norm_(copies, float("inf")).item())
+        except RuntimeError as ex:
+            res["torch_mixed"] = ("error", str(ex)[:200])
+        res["total"] = ep_a2a.clip_grad_norm_(params, DT["max_norm"]).item()
+        res["post"] = [_lst(local(p.grad)) for p in params]
+        res["inf_norm"] = ep_a2a.clip_grad_norm_(params, float("inf"), norm_type=float("inf")).item()
+        # the bug: plain Parameters, torch's clip_grad_norm_ sees this rank's experts only
+        res["plain_total"] = torch.nn.utils.clip_grad_norm_(step(plain), DT["max_norm"]).item()
+    except Exception as ex:  # noqa: BLE001
+        import traceback
+        res["error"] = repr(ex) + traceback.format_exc()[-2000:]
+    finally:
+        q.put((rank, res))
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def dt_results(tmp_path_factory):
+    ckpt = str(tmp_path_factory.mktemp("ep_dcp"))
+    got = _spawn2(_dt_worker, ckpt)
+    for rank, res in got:
+        assert "error" not in res, f"rank {rank}: {res['error']}"
+    return got, ckpt
+
+
+def test_mesh_experts_fwd_bwd_match_plain(dt_results):
+    E, n, d = DT["E"], DT["n"], DT["d"]
+    for rank, r in dt_results[0]:
+        assert r["group_is_mesh_group"] and r["init_equal"], rank
+        assert r["global_shapes"] == [[E, n, d], [E, n, d], [E, d, n]], r["global_shapes"]
+        assert r["local_shapes"] == [[E // 2, n, d], [E // 2, n, d], [E // 2, d, n]], r["local_shapes"]
+        assert r["fwd_bwd_bitwise"], f"rank {rank}: out / dx / dscores differ from the plain path"
+        assert r["grad_is_dtensor_shard0"], f"rank {rank}: expert grads are not Shard(0) DTensors"
+        assert r["grad_local_bitwise"], f"rank {rank}: the grads' local shards differ from the plain path's grads"
+
+
+def _clip_reference(got):
+    """One process, float64: the router grads (rank 0's; identical on both) and every expert's grad, in
+    expert order (rank 0's shard then rank 1's). Returns (the flat pre-clip grads per rank, the 2-norm,
+    the experts-only 2-norm)."""
+    pre = [[torch.tensor(g, dtype=torch.float64) for g in r["pre"]] for _, r in got]
+    router = pre[0][:2]
+    experts = [torch.cat((pre[0][i], pre[1][i])) for i in range(2, 5)]
+    flat = lambda ts: torch.cat([t.reshape(-1) for t in ts])  # noqa: E731
+    return pre, flat(router + experts).norm().item(), flat(experts).norm().item()
+
+
+def test_mesh_experts_clip_grad_norm_matches_one_process(dt_results):
+    got = dt_results[0]
+    pre, ref, ref_experts = _clip_reference(got)
+    assert torch.equal(pre[0][0], pre[1][0]) and torch.equal(pre[0][1], pre[1][1]), "router grads not replicated"
+    assert ref > 10 * DT["max_norm"], "the test must clip"
+    coef = DT["max_norm"] / (ref + 1e-6)
+    totals = [r["total"] for _, r in got]
+    assert totals[0] == totals[1], f"the ranks clip with different norms {totals}"   # bitwise: same scale everywhere
+    for rank, r in got:
+        assert abs(r["total"] - ref) <= 1e-12 * ref, f"rank {rank}: total {r['total']!r} vs one process {ref!r}"
+        assert abs(r["torch_expert_norm"] - ref_experts) <= 1e-12 * ref_experts, (rank, r["torch_expert_norm"])
+        for i, (a, b) in enumerate(zip(r["post"], pre[rank])):
+            a = torch.tensor(a, dtype=torch.float64)
+            assert rel(a, b * coef) <= 1e-12, f"rank {rank} param {i}: not scaled by the one-process factor"
+        want_inf = max(torch.tensor(g, dtype=torch.float64).abs().max().item() for _, q in got for g in q["post"])
+        assert r["inf_norm"] == want_inf, (rank, r["inf_norm"], want_inf)
+        # torch's clip_grad_norm_ on mixed plain + DTensor grads: an error (2.11, 2.15), or if a later torch
+        # accepts the mix, it must at least get the right norm
+        kind, val = r["torch_mixed"]
+        assert (kind == "error" and "mixed" in val) or abs(val - ref) <= 1e-12 * ref, r["torch_mixed"]
+    # the bug the mesh fixes: with plain Parameters each rank's norm misses the other rank's experts
+    plain = [r["plain_total"] for _, r in got]
+    assert plain[0] != plain[1] and all(abs(p - ref) > 1e-6 * ref for p in plain), (plain, ref)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # the no-dist load says so
+def test_mesh_experts_dcp_global_shape_and_no_dist_load(dt_results):
+    import torch.distributed.checkpoint as dcp
+    got, ckpt = dt_results
+    E, n, d, El = DT["E"], DT["n"], DT["d"], DT["E"] // 2
+    for rank, r in got:
+        assert r["fresh_differs"] and r["dcp_roundtrip_equal"], f"rank {rank}: the EP = 2 load did not restore"
+    shapes = {"w1": (n, d), "w3": (n, d), "w2": (d, n)}
+    sizes = lambda path: {k: list(v.size) for k, v in  # noqa: E731
+                          dcp.FileSystemReader(path).read_metadata().state_dict_metadata.items()}
+    # saved global shapes: [E, ...] with the mesh; the plain path claims its [E/P, ...] are all of them (the bug)
+    assert sizes(os.path.join(ckpt, "mesh")) == {k: [E, *s] for k, s in shapes.items()}
+    assert sizes(os.path.join(ckpt, "plain")) == {k: [El, *s] for k, s in shapes.items()}
+    # one process, no process group: the full tensors are both ranks' shards in expert order
+    full = {k: torch.empty(E, *s, dtype=torch.float64) for k, s in shapes.items()}
+    dcp.load(full, checkpoint_id=os.path.join(ckpt, "mesh"), no_dist=True)
+    shard = lambda rank, k: torch.tensor(got[rank][1]["shards"][k], dtype=torch.float64)  # noqa: E731
+    for k in shapes:
+        assert torch.equal(full[k], torch.cat((shard(0, k), shard(1, k)))), k
+    # and what the plain checkpoint holds: rank 0's experts only (rank 1's were deduplicated away)
+    part = {k: torch.empty(El, *s, dtype=torch.float64) for k, s in shapes.items()}
+    dcp.load(part, checkpoint_id=os.path.join(ckpt, "plain"), no_dist=True)
+    assert torch.equal(part["w1"], shard(0, "w1")) and not torch.equal(part["w1"], shard(1, "w1"))
 
 
 # ---- GPU: NCCL, bf16, smoe_torch.expert_major ---------------------------------------------------------
