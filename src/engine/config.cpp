@@ -39,11 +39,13 @@ const char* kind_name(Kind k) {
   return "?";
 }
 
-bool is_built(const EngineConfig& c) {
-  for (const EngineConfig& b : kBuilt)
-    if (b == c) return true;
-  return false;
+int built_index(const EngineConfig& c) {
+  for (size_t i = 0; i < std::size(kBuilt); ++i)
+    if (kBuilt[i] == c) return static_cast<int>(i);
+  return -1;
 }
+
+bool is_built(const EngineConfig& c) { return built_index(c) >= 0; }
 
 std::string to_string(const EngineConfig& c) {
   std::string s = kind_name(c.kind);

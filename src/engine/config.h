@@ -42,6 +42,9 @@ struct EngineConfig {
 
 // Whether the build has this instantiation (the generated list).
 bool is_built(const EngineConfig& c);
+// Its position in that list, -1 where not built: the fixed order the tuner's candidates keep
+// (candidates.h), so that equal timings always break the same way.
+int built_index(const EngineConfig& c);
 // The kind's name as the instance list spells it ("down_store").
 const char* kind_name(Kind k);
 // For messages, SMOE_ENGINE_PRINT and the tune cache file (never matched): "down_store_pps2_c2<192>".

@@ -1,144 +1,111 @@
-// The engine's entry points: rules, then the heuristic's typed choice, then the instantiation the
-// dispatch table maps it to. The table is generated from the one instance list in CMakeLists.txt
-// (engine_instances/instances.inc), the same list the instance files and config.cpp come from.
+// The engine's entry points: rules, then the typed choice (measured, tune_store.h / tuner.h, or the
+// heuristic's), then the instantiation the dispatch table (dispatch.h) maps it to. The table is
+// generated from the one instance list in CMakeLists.txt (engine_instances/instances.inc), the same
+// list the instance files and config.cpp come from.
 #include <cstdio>
-#include <cstdlib>
-#include <fstream>
-#include <sstream>
+#include <optional>
 #include <string>
 #include <type_traits>
 
 #include "common/check.h"
+#include "engine/dispatch.h"
 #include "engine/engine.h"
 #include "engine/heuristic.h"
 #include "engine/rules.h"
 #include "engine/tune_cache.h"
+#include "engine/tune_policy.h"
+#include "engine/tune_store.h"
+#include "engine/tuner.h"
 
 namespace smoe {
 namespace engine {
-
-#define SMOE_ENGINE_INSTANCE(fn, kind, sched, bn, cluster, args) Status fn(const args&, int, cudaStream_t);
-namespace inst {
-#include "instances.inc"
-}  // namespace inst
-#undef SMOE_ENGINE_INSTANCE
-
-namespace {
-
-template <class Args>
-struct Entry {
-  EngineConfig config;
-  Status (*run)(const Args&, int, cudaStream_t);
-};
-// Each instantiation goes to the table of its argument struct (the other table gets an entry
-// without a function, which find() skips).
-template <class Args, class FnArgs>
-constexpr Entry<Args> entry(EngineConfig c, Status (*run)(const FnArgs&, int, cudaStream_t)) {
-  if constexpr (std::is_same_v<Args, FnArgs>)
-    return {c, run};
-  else
-    return {c, nullptr};
-}
-#define SMOE_ENGINE_INSTANCE(fn, kind, sched, bn, cluster, args) \
-  entry<ARGS_OF_TABLE>(EngineConfig{Kind::kind, Sched::sched, bn, cluster}, &inst::fn),
-#define ARGS_OF_TABLE VarlenMArgs
-const Entry<VarlenMArgs> kTableM[] = {
-#include "instances.inc"
-};
-#undef ARGS_OF_TABLE
-#define ARGS_OF_TABLE VarlenKArgs
-const Entry<VarlenKArgs> kTableK[] = {
-#include "instances.inc"
-};
-#undef ARGS_OF_TABLE
-#undef SMOE_ENGINE_INSTANCE
-
-template <class Args, size_t N>
-const Entry<Args>* find(const Entry<Args> (&table)[N], const EngineConfig& c) {
-  for (const auto& e : table)
-    if (e.run != nullptr && e.config == c) return &e;
-  return nullptr;
-}
-
-}  // namespace
 
 bool store_streaming() { return overrides().store_streaming; }
 
 namespace {
 
-const char* env(const char* name) { return std::getenv(name); }
-
-// The measured choices: read once from the cache file (tune_cache_path), empty when there is none.
-const TuneCache& tune_cache() {
-  static const TuneCache cache = [] {
-    TuneCache c;
-    const std::string path = tune_cache_path(env);
-    if (path.empty()) return c;
-    std::ifstream f(path);
-    if (!f) return c;
-    std::stringstream text;
-    text << f.rdbuf();
-    if (!c.merge_json(text.str()))
-      std::fprintf(stderr, "[smoe engine] %s does not parse as a tune cache: ignored\n", path.c_str());
-    return c;
-  }();
-  return cache;
-}
-
-// A measured choice for the call's key where the cache has one (and nothing forces another), else
-// the heuristic's. `from` says which, for SMOE_ENGINE_PRINT.
+// choose_config (engine.h): a measured choice where the cache has the call's key (and nothing
+// forces another), measured now where SMOE_ENGINE_TUNE=1 asks for it and the call may be measured
+// (tune_policy.h, decide_measure), else the heuristic's. Without SMOE_ENGINE_TUNE=1 no CUDA call is
+// made here, so the default path is the cache lookup and the heuristic alone.
 template <class Args>
-std::optional<EngineConfig> choose(const Args& a, int sm_count, const Overrides& o, const char** from) {
+Status choose(const Args& a, int sm_count, cudaStream_t stream, const Overrides& o, std::optional<EngineConfig>* c,
+              std::string* from) {
   if (o.tune && !o.forces()) {
-    if (const std::optional<EngineConfig> c = tune_cache().get(tune_key(a, sm_count))) {
+    const TuneKey key = tune_key(a, sm_count);
+    const std::optional<EngineConfig> cached = tuned_choice(key);
+    if (cached) {
       *from = "tuned";
-      return c;
+      *c = cached;
+      return Status{};
+    }
+    if (o.measure) {
+      const MeasureDecision d =
+          decide_measure(o, false, a.rows, capture_state(stream), outputs_overlap_inputs(a));
+      if (d == MeasureDecision::kMeasure) {
+        EngineConfig chosen;
+        if constexpr (std::is_same_v<Args, VarlenMArgs>)
+          SMOE_RETURN_IF_ERROR(tune_varlen_m(a, sm_count, stream, &chosen));
+        else
+          SMOE_RETURN_IF_ERROR(tune_varlen_k(a, sm_count, stream, &chosen));
+        *from = "measured";
+        *c = chosen;
+        return Status{};
+      }
+      *from = std::string("heuristic; ") + to_string(d);
     }
   }
-  *from = o.forces() ? "override" : "heuristic";
+  if (from->empty()) *from = o.forces() ? "override" : "heuristic";
   if constexpr (std::is_same_v<Args, VarlenMArgs>)
-    return choose_varlen_m(a, DeviceFacts{sm_count}, o);
+    *c = choose_varlen_m(a, DeviceFacts{sm_count}, o);
   else
-    return choose_varlen_k(a, DeviceFacts{sm_count}, o);
+    *c = choose_varlen_k(a, DeviceFacts{sm_count}, o);
+  return Status{};
 }
 
-// The instantiation of a choice, run; kNotImplemented (saying which) where none is built.
-template <class Args, size_t N>
-Status run_choice(const Entry<Args> (&table)[N], const std::optional<EngineConfig>& c, const Args& a, int sm_count,
-                  cudaStream_t stream, const char* fn) {
-  const Entry<Args>* e = c ? find(table, *c) : nullptr;
-  if (e == nullptr)
-    return detail::make_status(StatusCode::kNotImplemented,
-                               detail::concat(fn, ": no instantiation ", c ? to_string(*c) : "(none)",
-                                              " for this shape and the SMOE_ENGINE_* switches"));
-  return e->run(a, sm_count, stream);
+// kNotImplemented (saying which) where a choice has no instantiation.
+Status no_instance(const std::optional<EngineConfig>& c, const char* fn) {
+  return detail::make_status(StatusCode::kNotImplemented,
+                             detail::concat(fn, ": no instantiation ", c ? to_string(*c) : "(none)",
+                                            " for this shape and the SMOE_ENGINE_* switches"));
 }
 
 }  // namespace
 
+Status choose_config(const VarlenMArgs& a, int sm_count, cudaStream_t stream, Choice* out) {
+  return choose(a, sm_count, stream, overrides(), &out->config, &out->from);
+}
+Status choose_config(const VarlenKArgs& a, int sm_count, cudaStream_t stream, Choice* out) {
+  return choose(a, sm_count, stream, overrides(), &out->config, &out->from);
+}
+
 Status varlen_m(const VarlenMArgs& a, int sm_count, cudaStream_t stream) {
   SMOE_RETURN_IF_ERROR(check_varlen_m(a));
   if (a.rows == 0) return Status{};
-  const Overrides& o = overrides();
-  const char* from = "";
-  const std::optional<EngineConfig> c = choose(a, sm_count, o, &from);
-  if (o.print)
+  Choice ch;
+  SMOE_RETURN_IF_ERROR(choose_config(a, sm_count, stream, &ch));
+  const std::optional<EngineConfig>& c = ch.config;
+  if (overrides().print)
     std::fprintf(stderr, "[smoe engine] varlen_m %s (%s) rows=%lld N=%d K=%d E=%d gather=%d grid<=%d\n",
-                 c ? to_string(*c).c_str() : "(none)", from, static_cast<long long>(a.rows), a.N, a.K, a.num_experts,
-                 a.gather_idx != nullptr, sm_count);
-  return run_choice(kTableM, c, a, sm_count, stream, "engine::varlen_m");
+                 c ? to_string(*c).c_str() : "(none)", ch.from.c_str(), static_cast<long long>(a.rows), a.N, a.K,
+                 a.num_experts, a.gather_idx != nullptr, sm_count);
+  const RunVarlenM run = c ? find_varlen_m(*c) : nullptr;
+  if (run == nullptr) return no_instance(c, "engine::varlen_m");
+  return run(a, sm_count, stream);
 }
 
 Status varlen_k(const VarlenKArgs& a, int sm_count, cudaStream_t stream) {
   SMOE_RETURN_IF_ERROR(check_varlen_k(a));
-  const Overrides& o = overrides();
-  const char* from = "";
-  const std::optional<EngineConfig> c = choose(a, sm_count, o, &from);
-  if (o.print)
+  Choice ch;
+  SMOE_RETURN_IF_ERROR(choose_config(a, sm_count, stream, &ch));
+  const std::optional<EngineConfig>& c = ch.config;
+  if (overrides().print)
     std::fprintf(stderr, "[smoe engine] varlen_k %s (%s) rows=%lld M=%d N=%d E=%d gather=(%d,%d) grid<=%d\n",
-                 c ? to_string(*c).c_str() : "(none)", from, static_cast<long long>(a.rows), a.M, a.N, a.num_experts,
-                 a.gather_p != nullptr, a.gather_q != nullptr, sm_count);
-  return run_choice(kTableK, c, as_gather_p(a), sm_count, stream, "engine::varlen_k");
+                 c ? to_string(*c).c_str() : "(none)", ch.from.c_str(), static_cast<long long>(a.rows), a.M, a.N,
+                 a.num_experts, a.gather_p != nullptr, a.gather_q != nullptr, sm_count);
+  const RunVarlenK run = c ? find_varlen_k(*c) : nullptr;
+  if (run == nullptr) return no_instance(c, "engine::varlen_k");
+  return run(as_gather_p(a), sm_count, stream);
 }
 
 }  // namespace engine

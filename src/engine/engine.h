@@ -27,13 +27,18 @@
 //
 // Host side, one job per file: rules.* (argument rules), heuristic.* (a pure choose(args, device,
 // overrides) -> EngineConfig), overrides.* (the SMOE_ENGINE_* switches, parsed once), config.*
-// (the typed configuration and the built instantiations), engine.cpp (the entry points and the
-// dispatch table). Device side: gemm_kernel.cuh composes producer_varlen_{m,k}.cuh,
-// consumer_mma.cuh, epilogue/*.cuh and tile_scheduler.cuh; gemm_launch.cuh maps a configuration
-// to its instantiation.
+// (the typed configuration and the built instantiations), dispatch.* (the dispatch tables),
+// engine.cpp (the entry points), and the tuner: tune_cache.* (keys, the JSON file), tune_store.* (the
+// process's cache), candidates.*, tune_policy.* and tuner.* (measuring, SMOE_ENGINE_TUNE=1).
+// Device side: gemm_kernel.cuh composes producer_varlen_{m,k}.cuh, consumer_mma.cuh,
+// epilogue/*.cuh and tile_scheduler.cuh; gemm_launch.cuh maps a configuration to its instantiation.
 #pragma once
 
+#include <optional>
+#include <string>
+
 #include "engine/args.h"
+#include "engine/config.h"
 #include "engine/epilogue/dswiglu.h"  // ds_partial_tiles: the layer sizes the dS partials by it
 
 namespace smoe {
@@ -47,6 +52,17 @@ constexpr int kRowTile = 128;
 // (heuristic.h, with the overrides of overrides.h) runs on `stream` over a grid of <= sm_count CTAs.
 Status varlen_m(const VarlenMArgs& a, int sm_count, cudaStream_t stream);
 Status varlen_k(const VarlenKArgs& a, int sm_count, cudaStream_t stream);
+
+// The configuration a (rule-abiding) call runs and where it came from, as SMOE_ENGINE_PRINT shows it:
+// "tuned" (the tune cache), "measured" (measured now: SMOE_ENGINE_TUNE=1, tuner.h), "override" (a
+// switch forces it), "heuristic", or "heuristic; <why not measured>". Launches nothing unless
+// SMOE_ENGINE_TUNE=1 measures; the entry points run what it returns (tests call it directly).
+struct Choice {
+  std::optional<EngineConfig> config;  // nullopt: no built instantiation fits
+  std::string from;
+};
+Status choose_config(const VarlenMArgs& a, int sm_count, cudaStream_t stream, Choice* out);
+Status choose_config(const VarlenKArgs& a, int sm_count, cudaStream_t stream, Choice* out);
 
 // Outputs stored with L2 evict-first (st.global.cs) unless SMOE_ENGINE_STORE_CS=0 (epilogue/common.cuh,
 // store_out_if); read by the instantiations at launch.

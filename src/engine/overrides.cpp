@@ -45,6 +45,7 @@ Overrides parse_overrides(const char* (*lookup)(const char*)) {
   const char* p = lookup("SMOE_ENGINE_PRINT");
   o.print = p != nullptr && p[0] != '\0' && p[0] != '0';
   o.tune = !is(lookup("SMOE_ENGINE_TUNE"), "0");
+  o.measure = is(lookup("SMOE_ENGINE_TUNE"), "1");
   return o;
 }
 

@@ -13,6 +13,9 @@
 //   SMOE_ENGINE_STORE_CS=0                       plain output stores instead of evict-first st.global.cs
 //   SMOE_ENGINE_PRINT=1                          print every choice to stderr (and where it came from)
 //   SMOE_ENGINE_TUNE=0                           ignore the measured choices (tune_cache.h)
+//   SMOE_ENGINE_TUNE=1                           also measure: the first eager call of a key the cache
+//                                                lacks times every candidate and stores the winner
+//                                                (tuner.h); unset, the cache is read, nothing measured
 #pragma once
 
 namespace smoe {
@@ -31,6 +34,7 @@ struct Overrides {
   bool store_streaming = true;
   bool print = false;
   bool tune = true;  // use the measured choices of the tune cache where it has the call's key
+  bool measure = false;  // measure an unseen key on its first eager call (opt-in: costs <= ~2 s per key)
   // Whether any field forces a choice (then the cache is not consulted: the override decides).
   bool forces() const {
     return sched != ForcedSched::kNone || bn_m || bn_k || cluster_m || cluster_k || pingpong_max_k >= 0 ||

@@ -109,8 +109,15 @@ int rows_bucket(int64_t rows, int E) {
   return b;
 }
 
+std::string to_string(const TuneKey& k) {
+  return std::string(kind_name(k.kind)) + " N=" + std::to_string(k.N) + " K=" + std::to_string(k.K) +
+         " E=" + std::to_string(k.E) + " rows_bucket=" + std::to_string(k.rows_bucket) +
+         " halves=" + std::to_string(k.halves) + " sm_count=" + std::to_string(k.sm_count);
+}
+
 TuneKey tune_key(const VarlenMArgs& a, int sm_count) {
-  return TuneKey{kind_of(a), a.N, a.K, a.num_experts, rows_bucket(a.rows, a.num_experts), a.halves, sm_count};
+  const bool two_tensor = a.halves || a.B2 != nullptr;  // dX~ with B2 has no halves flag, another kernel path
+  return TuneKey{kind_of(a), a.N, a.K, a.num_experts, rows_bucket(a.rows, a.num_experts), two_tensor, sm_count};
 }
 
 TuneKey tune_key(const VarlenKArgs& a_in, int sm_count) {

@@ -1,9 +1,11 @@
 // Measured per-shape choices (issue 37's tuner), host side: the key a GEMM call is tuned under, an
 // in-memory cache of the winning configuration per key, and its JSON file. The measuring itself (run
-// each built candidate of a key on the device, keep the fastest) is the tuner's device side; this
-// file is what makes its results deterministic and reusable: identical keys give identical choices,
-// the file round-trips exactly, and a missing, corrupt or stale entry falls back to the heuristic.
+// each built candidate of a key on the device, keep the fastest) is tuner.h; the process-wide cache
+// and its file are tune_store.h. This file is what makes the results deterministic and reusable:
+// identical keys give identical choices, the file round-trips exactly, and a missing, corrupt or
+// stale entry falls back to the heuristic.
 //   SMOE_ENGINE_TUNE=0              ignore the cache (heuristic only)
+//   SMOE_ENGINE_TUNE=1              also measure a key the cache lacks on its first eager call
 //   SMOE_ENGINE_TUNE_CACHE=<path>   the JSON file (default: $XDG_CACHE_HOME/smoe/engine_tune.json,
 //                                   else $HOME/.cache/smoe/engine_tune.json)
 #pragma once
@@ -29,7 +31,7 @@ struct TuneKey {
   int K = 0;  // varlen-M: K; varlen-K: M (the kernel's, after a Q-gathered call's transpose)
   int E = 0;
   int rows_bucket = 0;  // floor(log2(max(1, rows / E)))
-  bool halves = false;  // two-tensor gate/up (H in halves)
+  bool halves = false;  // two-tensor gate/up: H in halves, or B2 set (dX~ takes K-tiles from w1 and w3)
   int sm_count = 0;
   bool operator<(const TuneKey& o) const {
     return std::tie(kind, N, K, E, rows_bucket, halves, sm_count) <
@@ -39,6 +41,8 @@ struct TuneKey {
 };
 
 int rows_bucket(int64_t rows, int E);
+// For messages: "up_swiglu N=1024 K=2048 E=8 rows_bucket=6 halves=0 sm_count=132".
+std::string to_string(const TuneKey& k);
 TuneKey tune_key(const VarlenMArgs& a, int sm_count);
 TuneKey tune_key(const VarlenKArgs& a, int sm_count);  // keyed on the transposed form of a Q-gathered call
 

@@ -1,0 +1,65 @@
+// The tuner's decisions that need no GPU (tuner.h does the measuring): when a call is measured,
+// how many repetitions fit the budget, and which candidate wins. Pure functions, CPU-tested
+// (tests/cpu/test_engine_tune.cpp).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "engine/args.h"
+#include "engine/overrides.h"
+
+namespace smoe {
+namespace engine {
+
+// Issue 37: at most ~2 s per new key, the warm-up round included.
+constexpr double kTuneBudgetMs = 2000;
+// Timed repetitions per candidate: at least 3 (a median of fewer is one outlier away from noise),
+// at most 15 (more moves no decision that the 1-2% spread between runs could not move back).
+constexpr int kTuneMinReps = 3;
+constexpr int kTuneMaxReps = 15;
+
+// The stream's capture state as cudaStreamIsCapturing reports it; kUnknown when the query failed
+// (e.g. the legacy stream while another stream captures): treated as capturing.
+enum class Capture { kNone, kActive, kUnknown };
+
+// What a call with SMOE_ENGINE_TUNE=1 does about its key, in this order of precedence.
+enum class MeasureDecision {
+  kOff,        // not asked (the default), the cache ignored (TUNE=0), or a switch forces a choice
+  kCached,     // the key has a measured choice: use it
+  kEmpty,      // no rows: nothing to time (the heuristic; the key stays unseen)
+  kCapturing,  // inside stream capture: never measure there (the heuristic; measured later, eagerly)
+  kOverlap,    // an output overlaps an input: repeated runs would not see the call's inputs
+  kMeasure,
+};
+MeasureDecision decide_measure(const Overrides& o, bool cached, int64_t rows, Capture capture, bool overlap);
+const char* to_string(MeasureDecision d);
+
+// Whether any output of the call overlaps any of its inputs. The tuner runs every candidate on the
+// call's own buffers, which is sound because no epilogue reads or accumulates into its outputs
+// (every output element is written from the accumulator and the inputs alone: no beta, no
+// in-place update; dSwiGLU reads H and writes dH, A', dS partials, which are other tensors). A call
+// that aliases them (an in-place dH = f(H) say) would see its own writes on the second run, so it is
+// not measured. The layer never passes one (moe/layer_common.h, check_disjoint, plus one carver for
+// its workspace); this is for direct engine callers. Extents the engine does not know (the token
+// count behind a gathered operand, the flat slot count behind scores) are taken as at least `rows`
+// rows.
+bool outputs_overlap_inputs(const VarlenMArgs& a);
+bool outputs_overlap_inputs(const VarlenKArgs& a);
+
+// Timed repetitions per candidate after the warm-up round and one timed round: round_ms is that
+// round's total over all candidates, spent_ms the wall time the key has cost so far. As many as fit
+// the rest of budget_ms, clamped to [kTuneMinReps, kTuneMaxReps] and made odd (an exact median).
+int tune_reps(double budget_ms, double spent_ms, double round_ms);
+
+// The lower median (sorted, element (n - 1) / 2): a measured value, no averaging. NaNs dropped;
+// +inf when nothing is left.
+float median_ms(std::vector<float> v);
+
+// The candidate with the lowest median; among equal medians the first (candidates.h's fixed order:
+// the heuristic's pick first), so identical timings give identical choices. NaN never wins; -1 when
+// no candidate has a finite median.
+int pick_winner(const std::vector<float>& medians);
+
+}  // namespace engine
+}  // namespace smoe
