@@ -122,13 +122,15 @@ float median_ms(std::vector<float> v) {
   return v[(v.size() - 1) / 2];
 }
 
-int pick_winner(const std::vector<float>& medians) {
+int pick_winner(const std::vector<float>& medians, float margin) {
   int best = -1;
   for (size_t i = 0; i < medians.size(); ++i) {
     const float m = medians[i];
     if (!std::isfinite(m)) continue;
     if (best < 0 || m < medians[best]) best = static_cast<int>(i);  // strict: a tie keeps the earlier
   }
+  // The heuristic's pick stays unless the best is more than `margin` faster than it.
+  if (best > 0 && std::isfinite(medians[0]) && medians[best] >= medians[0] * (1.0f - margin)) return 0;
   return best;
 }
 

@@ -56,10 +56,20 @@ int tune_reps(double budget_ms, double spent_ms, double round_ms);
 // +inf when nothing is left.
 float median_ms(std::vector<float> v);
 
-// The candidate with the lowest median; among equal medians the first (candidates.h's fixed order:
-// the heuristic's pick first), so identical timings give identical choices. NaN never wins; -1 when
-// no candidate has a finite median.
-int pick_winner(const std::vector<float>& medians);
+// How much faster than the heuristic's pick a candidate must measure to replace it: 5%. Timed
+// alone, a GEMM runs on L2-warm operands after a copy of itself; inside the layer it runs after
+// other kernels. Measured at b984359 on the eleven public configs (H200, layer A/B): isolated gains
+// of 7-14% carried into the layer (7B n1024 dA' 9.1% alone, 8.4% in the layer; DeepSeek-V3.2 dA'
+// 14%, 7.9%), one of 3.8% turned into a 7% loss (1.4B up-projection), and the rest (<= 2.6%) were
+// noise in the layer (whole-layer ratios 0.97-1.02). So small isolated wins keep the heuristic.
+constexpr float kTuneMargin = 0.05f;
+
+// The winner of a measured key: the candidate with the lowest median, if it beats candidate 0 (the
+// heuristic's pick, candidates.h's fixed order) by more than `margin` of candidate 0's median; else
+// candidate 0. Among equal medians the first, so identical timings give identical choices. NaN and
+// inf never win (with candidate 0 not finite, the lowest finite median wins, no margin); -1 when no
+// candidate has a finite median.
+int pick_winner(const std::vector<float>& medians, float margin = kTuneMargin);
 
 }  // namespace engine
 }  // namespace smoe

@@ -178,9 +178,16 @@ TEST(EngineTune, MedianAndWinner) {
   EXPECT_EQ(eng::pick_winner({1.2f, 1.0f, 1.1f}), 1);
   EXPECT_EQ(eng::pick_winner({1.0f, 1.0f, 1.0f}), 0);  // ties: the first (the heuristic's pick)
   EXPECT_EQ(eng::pick_winner({2.0f, 1.0f, 1.0f}), 1);
-  EXPECT_EQ(eng::pick_winner({nan, inf, 3.0f}), 2);
+  EXPECT_EQ(eng::pick_winner({nan, inf, 3.0f}), 2);  // no finite heuristic time: no margin to beat
   EXPECT_EQ(eng::pick_winner({nan, inf}), -1);
   EXPECT_EQ(eng::pick_winner({}), -1);
+  // The margin: the heuristic's pick (index 0) stays unless another is more than 5% faster.
+  EXPECT_EQ(eng::kTuneMargin, 0.05f);
+  EXPECT_EQ(eng::pick_winner({1.0f, 0.96f, 0.97f}), 0);   // 4% faster: noise in the layer
+  EXPECT_EQ(eng::pick_winner({1.0f, 0.955f}), 0);         // 4.5%: inside the margin
+  EXPECT_EQ(eng::pick_winner({1.0f, 0.97f, 0.94f}), 2);   // 6%: the fastest wins
+  EXPECT_EQ(eng::pick_winner({1.0f, 0.97f}, 0.0f), 1);    // margin 0: the plain lowest median
+  EXPECT_EQ(eng::pick_winner({inf, 1.0f, 0.99f}), 2);
   // Identical timings, identical choices: the same input gives the same index every time.
   const std::vector<float> t = {0.5f, 0.25f, 0.25f, 0.75f};
   for (int i = 0; i < 3; ++i) EXPECT_EQ(eng::pick_winner(t), 1);
