@@ -244,7 +244,13 @@ class TorchtitanMoE(nn.Module):
 class SonicMoE(nn.Module):
     """SonicMoE's layer (the call of bench/drivers/side_by_side.py). It reads gate/up interleaved by
     row, [E, 2n, d] as permute(1, 2, 0): built per step while casting the fp32 master weights to
-    bf16, which copies anyway (as smoe's module casts w1 and w3)."""
+    bf16, which copies anyway (as smoe's module casts w1 and w3).
+
+    Evaluation also runs its training kernels (is_inference_mode=False, under no_grad): on a fresh
+    machine its kernels compile and autotune cold on first use, 8.4 min for the first training step at
+    b984359, and the inference kernels would compile a second time at the first evaluation (that run
+    was cut off there). The output is the same either way: in sonic-moe 0.1.2.post1 the flag only
+    decides whether the up-projection also stores its pre-activation H for backward (store_preact)."""
 
     def __init__(self, sonic, dim, hidden, experts, top_k, shared=0):
         super().__init__()
@@ -265,7 +271,7 @@ class SonicMoE(nn.Module):
         with torch.autocast("cuda", enabled=False):
             out = mod.moe_TC_softmax_topk_layer(
                 x2, self.router.gate.weight.to(bf), w13.permute(1, 2, 0), None, e.w2.to(bf).permute(1, 2, 0), None,
-                self.top_k, torch.cuda.current_stream().cuda_stream, act.SWIGLU, not self.training)[0]
+                self.top_k, torch.cuda.current_stream().cuda_stream, act.SWIGLU, False)[0]
         if self.shared_experts is not None:
             out = out + self.shared_experts(x2).to(out.dtype)
         return out.reshape(shape).to(x.dtype)
