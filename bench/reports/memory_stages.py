@@ -1,0 +1,69 @@
+#!/usr/bin/env python3
+"""The layer's memory-bound stages against HBM bandwidth (issue 37 item 4), from bench_layer JSONs.
+
+  python3 bench/reports/memory_stages.py --copy-tbs 4.3 run1.json [run2.json ...] > memory_stages.md
+
+Per config, each stage's lowest median over the given runs, and the bandwidth it reaches for the
+bytes it must move at the least (bf16 activations, fp32 logits; index and score traffic left out,
+so the figure is an upper bound of what a kernel with extra traffic could show):
+  aggregate  (forward)  reads the R = T*K expert output rows [R, d] and writes out [T, d]
+  dx_sum     (backward) reads dX~ [R, d] and writes dx [T, d]
+  router     (forward)  the router GEMM: reads x [T, d] and W [E, d], writes fp32 logits [T, E]
+  routing    (forward)  reads the logits, writes K (index, score) pairs per token
+`--copy-tbs`: the device-to-device copy bandwidth to compare with (H200: ~4.3 TB/s, device tool's
+KINDS.md, counting bytes read and written).
+"""
+
+import argparse
+import json
+
+
+def stage_bytes(c):
+    T, d, E, K = c["T"], c["d"], c["E"], c["K"]
+    R = T * K
+    return {
+        "fwd.aggregate_ms": R * d * 2 + T * d * 2,
+        "bwd.dx_sum_ms": R * d * 2 + T * d * 2,
+        "fwd.router_gemm_ms": T * d * 2 + E * d * 2 + T * E * 4,
+        "fwd.routing_ms": T * E * 4 + T * K * 8,
+    }
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("runs", nargs="+")
+    p.add_argument("--copy-tbs", type=float, default=4.3)
+    a = p.parse_args()
+    best, meta = {}, {}
+    for f in a.runs:
+        doc = json.load(open(f))
+        for r in doc["results"]:
+            c, k = r["config"], r.get("kernels", {})
+            b = best.setdefault(c["name"], {})
+            meta.setdefault(c["name"], (c, doc.get("commit", "?")))
+            for kk, v in k.items():
+                if kk.endswith("_ms") and v > 0:
+                    b[kk] = min(b.get(kk, v), v)
+    names = {"fwd.aggregate_ms": "aggregate", "bwd.dx_sum_ms": "dx_sum", "fwd.router_gemm_ms": "router GEMM",
+             "fwd.routing_ms": "routing"}
+    print(f"Memory-bound stages: ms and TB/s (% of a {a.copy_tbs} TB/s copy) for the least bytes each must move; "
+          "`share`: these four + the router's backward, as a fraction of the stage sum.\n")
+    print("| config | commit | " + " | ".join(names.values()) + " | share |")
+    print("|---|---|" + "---|" * len(names) + "---|")
+    for n, k in best.items():
+        c, commit = meta[n]
+        by = stage_bytes(c)
+        cells = []
+        for s in names:
+            if s not in k:
+                cells.append("-")
+                continue
+            tbs = by[s] / k[s] / 1e9
+            cells.append(f"{k[s]:.3f} ms, {tbs:.2f} ({100 * tbs / a.copy_tbs:.0f}%)")
+        total = sum(v for kk, v in k.items() if "." in kk)
+        mem = sum(k.get(s, 0) for s in names) + k.get("bwd.router_bwd_ms", 0)
+        print(f"| {n} | {commit} | " + " | ".join(cells) + f" | {mem / total:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
