@@ -24,6 +24,14 @@
 #             extension, runs SonicMoE alone on SONIC_WARM_CONFIG so its cold Triton autotune
 #             fills the machine's cache) or run (the next call on the still-warm machine:
 #             SONIC_CONFIGS, default all). SONIC_BUDGET (570 s from the script's start) caps both.
+#   tune      the engine tuner's evidence: for each configs file of TUNE_CONFIGS (default
+#             bench/configs/configs.json and bench/configs/wide_configs.json; the 41 shapes for
+#             re-deriving the heuristic add sweep_configs.json and tune_extra_configs.json) build/smoe_tune into a
+#             new cache $OUT/tune/<name>.cache.json, then TUNE_PASSES (2) interleaved passes of
+#             bench_layer with the heuristic (SMOE_ENGINE_TUNE=0) and with that cache
+#             (BENCH_WARMUP 3, BENCH_REPS 10, TUNE_TIMEOUT 300 s a command), then
+#             bench/reports/tuner_report.py -> $OUT/tune/tuner.{json,md} and
+#             bench/reports/memory_stages.py -> $OUT/tune/memory_stages.md (bench/results/h200/)
 #   ncu       Nsight Compute on one forward + backward of bench_layer per config of NCU_CONFIGS
 #             (OLMoE-7B): SpeedOfLight, WarpStateStats, Occupancy; bench/reports/ncu_summary.py
 #             makes one line per kernel. NCU_TIMEOUT (240 s), NCU_ENV (VAR=value words for the
@@ -74,7 +82,7 @@ cd "$ROOT"
 # shellcheck source=versions.env
 source scripts/versions.env
 
-ALL_STEPS="build test sanitize bench sonic ncu ep pytest digest"
+ALL_STEPS="build test sanitize bench tune sonic ncu ep pytest digest"
 OUT="${OUT:-$ROOT/device_out}"
 BUILD="${BUILD:-build}"
 DRY="${DEVICE_DRY_RUN:-0}"
@@ -313,6 +321,40 @@ summary_bench() {
   for f in "$OUT/bench/layer.md" "$OUT/bench/sweep.md"; do [ -f "$f" ] && { say "-- ${f#"$OUT"/}"; head -20 "$f"; }; done
   grep -E "timed out|Error|error" "$1" | head -10
 }
+
+step_tune() {
+  need_bin smoe_tune tune || return 1
+  need_bin bench_layer tune || return 1
+  local d="$OUT/tune" rc=0 w="${BENCH_WARMUP:-3}" r="${BENCH_REPS:-10}" t="${TUNE_TIMEOUT:-300}"
+  local passes="${TUNE_PASSES:-2}" cf name cache i sets=() heur tuned
+  mkdir -p "$d"
+  for cf in ${TUNE_CONFIGS:-bench/configs/configs.json bench/configs/wide_configs.json}; do
+    name="$(basename "$cf" .json)"
+    cache="$d/$name.cache.json"
+    x rm -f "$cache"
+    xt -a "$d/$name.tune.log" "$t" env SMOE_ENGINE_TUNE_CACHE="$cache" "$BUILD/smoe_tune" "$cf" || { rc=1; continue; }
+    heur="" tuned=""
+    for i in $(seq 1 "$passes"); do
+      xt -a "$d/$name.heur_$i.log" "$t" env SMOE_ENGINE_TUNE=0 "$BUILD/bench_layer" --configs "$cf" \
+        --out "$d/$name.heur_$i.json" --commit "$COMMIT" --warmup "$w" --reps "$r" || rc=1
+      xt -a "$d/$name.tuned_$i.log" "$t" env SMOE_ENGINE_TUNE_CACHE="$cache" "$BUILD/bench_layer" --configs "$cf" \
+        --out "$d/$name.tuned_$i.json" --commit "$COMMIT" --warmup "$w" --reps "$r" || rc=1
+      heur="${heur:+$heur,}$d/$name.heur_$i.json"
+      tuned="${tuned:+$tuned,}$d/$name.tuned_$i.json"
+    done
+    sets+=(--set "$name" "$d/$name.tune.log" "$heur" "$tuned" --configs "$cf")
+  done
+  [ ${#sets[@]} -gt 0 ] || return 1
+  x python3 bench/reports/tuner_report.py --commit "$COMMIT" --device "$(dry || nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" \
+    --command "SMOE_COMMIT=$COMMIT TUNE_CONFIGS='${TUNE_CONFIGS:-}' scripts/device.sh build tune" \
+    "${sets[@]}" --out "$d/tuner.json" --md "$d/tuner.md" || rc=1
+  if ! dry; then
+    # shellcheck disable=SC2046  # the heuristic passes' JSONs, one word each
+    x -o "$d/memory_stages.md" python3 bench/reports/memory_stages.py $(ls "$d"/*.heur_*.json 2>/dev/null) || rc=1
+  fi
+  return $rc
+}
+summary_tune() { grep -E "^\| |timed out|rc=" "$OUT/tune/tuner.md" "$1" 2>/dev/null | grep -vE "^\S+:\|---" | head -40; }
 
 step_sonic() {
   if ! dry && [ ! -d .whl ]; then say "no .whl/: run bench/baselines/sonicmoe_env.sh pack here and carry .whl"; return 1; fi
