@@ -52,6 +52,9 @@ def main():
     print("|---|---|" + "---|" * len(names) + "---|")
     for n, k in best.items():
         c, commit = meta[n]
+        if not k:  # a config that failed in every run: bench_layer wrote no stage times
+            print(f"| {n} | {commit} | " + " | ".join("-" for _ in names) + " | - |")
+            continue
         by = stage_bytes(c)
         cells = []
         for s in names:
@@ -62,7 +65,8 @@ def main():
             cells.append(f"{k[s]:.3f} ms, {tbs:.2f} ({100 * tbs / a.copy_tbs:.0f}%)")
         total = sum(v for kk, v in k.items() if "." in kk)
         mem = sum(k.get(s, 0) for s in names) + k.get("bwd.router_bwd_ms", 0)
-        print(f"| {n} | {commit} | " + " | ".join(cells) + f" | {mem / total:.3f} |")
+        share = f"{mem / total:.3f}" if total > 0 else "-"
+        print(f"| {n} | {commit} | " + " | ".join(cells) + f" | {share} |")
 
 
 if __name__ == "__main__":

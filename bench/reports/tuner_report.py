@@ -15,10 +15,11 @@ report keeps the lowest of the passes' medians, so one slow pass (clock, a neigh
 
 import argparse
 import json
+import math
 import re
 
 KEY_RE = re.compile(r"^  (\S+) N=(\d+) K=(\d+) E=(\d+) rows_bucket=(\d+) halves=(\d) sm_count=(\d+)")
-CAND_RE = re.compile(r"^\s+(\*)?\s*(\S+)\s+([\d.]+) ms(\s+<- winner)?")
+CAND_RE = re.compile(r"^\s+(\*)?\s*(\S+)\s+([\d.]+|inf|nan) ms(\s+<- winner)?")  # inf: a candidate that failed
 CONFIG_RE = re.compile(r"^(\S.*): T=(\d+) d=(\d+) n=(\d+) E=(\d+) K=(\d+)")
 
 
@@ -39,16 +40,17 @@ def parse_tune_log(path):
             continue
         m = CAND_RE.match(line)
         if m and cur is not None:
-            cur["candidates"].append({"config": m.group(2), "ms": float(m.group(3)), "heuristic": bool(m.group(1))})
+            cur["candidates"].append({"config": m.group(2), "ms": float(m.group(3)), "heuristic": bool(m.group(1))})  # float("inf") parses
             if m.group(4):
                 cur["chosen"] = m.group(2)
     for k in keys:
         c = k["candidates"]
+        finite = lambda v: v is not None and math.isfinite(v)  # noqa: E731
         heur = next((x["ms"] for x in c if x["heuristic"]), None)
-        best = min((x["ms"] for x in c), default=None)
+        best = min((x["ms"] for x in c if finite(x["ms"])), default=None)
         chosen = next((x["ms"] for x in c if x["config"] == k["chosen"]), None)
-        k["heuristic_over_fastest"] = heur / best if heur and best else None
-        k["heuristic_over_chosen"] = heur / chosen if heur and chosen else None
+        k["heuristic_over_fastest"] = heur / best if finite(heur) and finite(best) and best > 0 else None
+        k["heuristic_over_chosen"] = heur / chosen if finite(heur) and finite(chosen) and chosen > 0 else None
     return keys
 
 
@@ -95,7 +97,8 @@ def md(doc):
         for k in s["keys"]:
             heur = next((c["config"] for c in k["candidates"] if c["heuristic"]), None)
             if k["chosen"] and k["chosen"] != heur:
-                changed.setdefault(k["config"], []).append(f"{k['kind']} {k['chosen']} x{k['heuristic_over_chosen']:.2f}")
+                r = k["heuristic_over_chosen"]
+                changed.setdefault(k["config"], []).append(f"{k['kind']} {k['chosen']}" + (f" x{r:.2f}" if r else ""))
         for r in s["ab"]:
             moved = ", ".join(f"{st.split('.')[-1]} x{v:.2f}" for st, v in r["stage_speedup"].items() if abs(v - 1) > 0.03)
             lines.append(f"| {r['config']} | {r['heuristic_fwd_ms'] + r['heuristic_bwd_ms']:.3f} | "

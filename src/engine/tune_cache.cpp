@@ -2,6 +2,7 @@
 
 #include <cctype>
 #include <cstdlib>
+#include <limits>
 #include <vector>
 
 #include "engine/heuristic.h"
@@ -160,20 +161,46 @@ std::string TuneCache::to_json() const {
          std::to_string(k.rows_bucket) + ", \"halves\": " + (k.halves ? "true" : "false") +
          ", \"sm_count\": " + std::to_string(k.sm_count) + ", \"config\": \"" + to_string(c) + "\"}";
   }
+  for (const auto& [key, obj] : foreign_) {  // after ours, in their own sorted order
+    s += first ? "\n" : ",\n";
+    first = false;
+    s += "  " + obj;
+  }
   return s + (first ? "]\n" : "\n]\n");
 }
+
+namespace {
+
+// One entry as to_json writes it (the canonical text that keeps and deduplicates foreign entries).
+std::string entry_text(const Obj& o) {
+  std::string s = "{\"kind\": \"" + o.str.at("kind") + "\"";
+  for (const char* n : {"N", "K", "E", "rows_bucket"}) s += std::string(", \"") + n + "\": " + std::to_string(o.num.at(n));
+  s += std::string(", \"halves\": ") + (o.num.at("halves") ? "true" : "false");
+  s += ", \"sm_count\": " + std::to_string(o.num.at("sm_count"));
+  return s + ", \"config\": \"" + o.str.at("config") + "\"}";
+}
+
+bool fits_int(int64_t v) { return v >= 0 && v <= std::numeric_limits<int>::max(); }
+
+}  // namespace
 
 bool TuneCache::merge_json(const std::string& json) {
   std::vector<Obj> objs;
   if (!Reader(json).array(&objs)) return false;
   std::map<TuneKey, EngineConfig> add;
+  std::map<std::string, std::string> foreign;
   for (const Obj& o : objs) {
     const char* nums[] = {"N", "K", "E", "rows_bucket", "halves", "sm_count"};
     for (const char* n : nums)
-      if (!o.num.count(n)) return false;
+      if (!o.num.count(n) || !fits_int(o.num.at(n))) return false;  // malformed: the whole text is
     if (!o.str.count("kind") || !o.str.count("config")) return false;
     const std::optional<Kind> kind = parse_kind(o.str.at("kind"));
-    if (!kind) return false;
+    const std::optional<EngineConfig> c = parse_config(o.str.at("config"));
+    if (!kind || !c || c->kind != *kind || !is_built(*c)) {  // another build's entry: kept, not used
+      const std::string text = entry_text(o);
+      foreign[text] = text;
+      continue;
+    }
     TuneKey k{*kind,
               static_cast<int>(o.num.at("N")),
               static_cast<int>(o.num.at("K")),
@@ -181,11 +208,10 @@ bool TuneCache::merge_json(const std::string& json) {
               static_cast<int>(o.num.at("rows_bucket")),
               o.num.at("halves") != 0,
               static_cast<int>(o.num.at("sm_count"))};
-    const std::optional<EngineConfig> c = parse_config(o.str.at("config"));
-    if (!c) return false;
-    if (c->kind == k.kind && is_built(*c)) add[k] = *c;  // another build's instance: skipped
+    add[k] = *c;
   }
   for (const auto& [k, c] : add) map_[k] = c;
+  for (const auto& [k, t] : foreign) foreign_[k] = t;
   return true;
 }
 

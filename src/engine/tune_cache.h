@@ -57,12 +57,17 @@ class TuneCache {
   size_t size() const { return map_.size(); }
   // One JSON object per entry, sorted by key, in a JSON array: the same cache gives the same text.
   std::string to_json() const;
-  // Entries of `json` (a to_json text) added; false (and nothing added) when the text does not parse.
-  // Entries naming a configuration this build lacks are skipped (a cache from another build).
+  // Entries of `json` (a to_json text) added; false (and nothing added) when the text does not parse
+  // or an entry lacks a field. An entry this build cannot use (a kind or label it does not know, a
+  // configuration it lacks or of another kind: a cache written by another build) is not looked up but
+  // kept, so to_json writes it back and a shared file loses no other build's choices.
   bool merge_json(const std::string& json);
+  size_t foreign_size() const { return foreign_.size(); }
 
  private:
   std::map<TuneKey, EngineConfig> map_;
+  // Entries another build wrote, as their JSON objects (canonical text), sorted and deduplicated.
+  std::map<std::string, std::string> foreign_;
 };
 
 // Where the cache file lives (SMOE_ENGINE_TUNE_CACHE, else the user cache directory); empty when

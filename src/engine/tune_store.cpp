@@ -7,7 +7,12 @@
 #include <mutex>
 #include <sstream>
 
+#include <fcntl.h>
+#include <sys/file.h>
+#include <sys/stat.h>
 #include <unistd.h>
+
+#include <cerrno>
 
 namespace smoe {
 namespace engine {
@@ -39,22 +44,45 @@ struct Store {
     if (!text.empty() && !cache.merge_json(text))
       std::fprintf(stderr, "[smoe engine] %s does not parse as a tune cache: ignored\n", path.c_str());
   }
-  // The file's entries now (another process may have added some), this process's on top. Called
-  // with mu held.
+  // The file's entries now (another process may have added some), this process's on top, written
+  // through a unique temporary file renamed over it. Read, merge and rename happen under an
+  // exclusive flock on `path.lock`, so processes that share the file (ranks of one job, runs on a
+  // shared home) add to it instead of replacing each other's entries. A file that exists but does
+  // not parse is left alone (false: the choices stay in memory). Called with mu held.
   bool write() {
     if (path.empty()) return true;
-    TuneCache merged;
-    merged.merge_json(read_file(path));  // unparsable: replaced by ours
-    if (!merged.merge_json(cache.to_json())) return false;
     std::error_code ec;
     const std::filesystem::path p(path);
     if (p.has_parent_path()) std::filesystem::create_directories(p.parent_path(), ec);
-    const std::string tmp = path + ".tmp." + std::to_string(static_cast<long long>(getpid()));
+    const int lock = ::open((path + ".lock").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    if (lock < 0) return false;
+    while (::flock(lock, LOCK_EX) != 0)
+      if (errno != EINTR) {
+        ::close(lock);
+        return false;
+      }
+    const bool ok = write_locked();
+    ::close(lock);  // releases the lock
+    return ok;
+  }
+  bool write_locked() {
+    TuneCache merged;
+    const std::string old = read_file(path);
+    if (!old.empty() && !merged.merge_json(old)) return false;  // not ours to replace
+    if (!merged.merge_json(cache.to_json())) return false;
     const std::string text = merged.to_json();
-    std::FILE* f = std::fopen(tmp.c_str(), "w");
-    if (f == nullptr) return false;
-    const bool ok = std::fwrite(text.data(), 1, text.size(), f) == text.size();
-    if (std::fclose(f) != 0 || !ok || std::rename(tmp.c_str(), path.c_str()) != 0) {
+    std::string tmp = path + ".tmp.XXXXXX";
+    const int fd = ::mkstemp(tmp.data());
+    if (fd < 0) return false;
+    bool ok = true;
+    for (size_t done = 0; ok && done < text.size();) {
+      const ssize_t n = ::write(fd, text.data() + done, text.size() - done);
+      if (n > 0) done += static_cast<size_t>(n);
+      else ok = n < 0 && errno == EINTR;
+    }
+    if (::close(fd) != 0) ok = false;
+    if (ok) ::chmod(tmp.c_str(), 0644);  // mkstemp makes it 0600; the cache is the user's, readable
+    if (!ok || std::rename(tmp.c_str(), path.c_str()) != 0) {
       std::remove(tmp.c_str());
       return false;
     }

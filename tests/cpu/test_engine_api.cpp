@@ -467,16 +467,23 @@ TEST(EngineTuneCache, StoresOnlyFittingBuiltConfigsAndRoundTrips) {
   EXPECT_TRUE(*d.get(dw) == cfg("dw_gather_p<128>"));
   EXPECT_TRUE(d.merge_json("[]"));
   EXPECT_EQ(d.size(), 2u);
-  // Corrupt text: nothing added. A configuration this build lacks: that entry skipped.
+  // Corrupt text or an entry missing a field: nothing added. A label this build does not know, or a
+  // configuration it lacks: not used, but kept for the file (another build's entry).
   eng::TuneCache e;
   EXPECT_FALSE(e.merge_json(json.substr(0, json.size() / 2)));
   EXPECT_FALSE(e.merge_json("{\"kind\": \"up_swiglu\"}"));
   EXPECT_FALSE(e.merge_json("[{\"kind\": \"up_swiglu\", \"N\": 1024, \"K\": 2048, \"E\": 8, \"rows_bucket\": 6, "
-                            "\"halves\": false, \"sm_count\": 132, \"config\": \"up_swiglu<999>\"}]"));
+                            "\"sm_count\": 132, \"config\": \"up_swiglu<256>\"}]"));  // no halves
+  EXPECT_FALSE(e.merge_json("[{\"kind\": \"up_swiglu\", \"N\": 4294968064, \"K\": 2048, \"E\": 8, \"rows_bucket\": 6, "
+                            "\"halves\": false, \"sm_count\": 132, \"config\": \"up_swiglu<256>\"}]"));  // > int
   EXPECT_EQ(e.size(), 0u);
+  EXPECT_EQ(e.foreign_size(), 0u);
+  EXPECT_TRUE(e.merge_json("[{\"kind\": \"up_swiglu\", \"N\": 1024, \"K\": 2048, \"E\": 8, \"rows_bucket\": 6, "
+                           "\"halves\": false, \"sm_count\": 132, \"config\": \"up_swiglu<999>\"}]"));
   EXPECT_TRUE(e.merge_json("[{\"kind\": \"up_swiglu\", \"N\": 1024, \"K\": 2048, \"E\": 8, \"rows_bucket\": 6, "
                            "\"halves\": false, \"sm_count\": 132, \"config\": \"up_swiglu_pps<128>\"}]"));
   EXPECT_EQ(e.size(), 0u);  // parsed, but no such instance here
+  EXPECT_EQ(e.foreign_size(), 2u);
 }
 
 TEST(EngineTuneCache, PathAndSwitches) {

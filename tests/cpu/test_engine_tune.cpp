@@ -15,6 +15,7 @@
 
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "engine/candidates.h"
@@ -360,6 +361,91 @@ TEST(EngineTune, AStoredChoiceIsWhatTheNextCallPicks) {
     unsetenv("SMOE_ENGINE_TUNE");
   }
   eng::reload_overrides_from_env();
+  std::filesystem::remove_all(dir);
+  unsetenv("SMOE_ENGINE_TUNE_CACHE");
+  eng::reload_tune_store_from_env();
+}
+
+// A cache file shared with other builds and other processes (issue 37 review): entries this build
+// cannot use survive a rewrite, a file that does not parse is never replaced, and processes that
+// store at the same time add to the file instead of replacing each other's entries.
+TEST(EngineTune, TheCacheFileKeepsOtherBuildsAndOtherProcessesEntries) {
+  const std::string dir = ::testing::TempDir() + "smoe_tune_share_" + std::to_string(getpid());
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  const std::string path = dir + "/engine_tune.json";
+  auto slurp = [&] {
+    std::ifstream f(path);
+    std::stringstream t;
+    t << f.rdbuf();
+    return t.str();
+  };
+  const std::string foreign =
+      "[\n  {\"kind\": \"down_store\", \"N\": 768, \"K\": 256, \"E\": 8, \"rows_bucket\": 6, \"halves\": false, "
+      "\"sm_count\": 132, \"config\": \"down_store_pp_c4<192>\"},\n"  // a label no build here knows
+      "  {\"kind\": \"gate_swiglu\", \"N\": 768, \"K\": 256, \"E\": 8, \"rows_bucket\": 6, \"halves\": false, "
+      "\"sm_count\": 132, \"config\": \"gate_swiglu<128>\"},\n"  // a kind no build here knows
+      "  {\"kind\": \"down_store\", \"N\": 768, \"K\": 256, \"E\": 8, \"rows_bucket\": 7, \"halves\": false, "
+      "\"sm_count\": 132, \"config\": \"down_store_pps<256>\"}\n]\n";  // parses, not built here
+  { std::ofstream(path) << foreign; }
+  setenv("SMOE_ENGINE_TUNE_CACHE", path.c_str(), 1);
+  unsetenv("SMOE_ENGINE_TUNE");
+  eng::reload_overrides_from_env();
+  eng::reload_tune_store_from_env();
+  const auto a = m_call(Kind::down_store, 4096, 512, 128, 32768 * 8);
+  const auto cs = eng::candidates_varlen_m(a, eng::DeviceFacts{kSms});
+  ASSERT_GE(cs.size(), 2u);
+  const eng::TuneKey key = eng::tune_key(a, kSms);
+  EXPECT_FALSE(eng::tuned_choice(key).has_value());
+  EXPECT_TRUE(eng::store_tuned(key, cs[1]) == cs[1]);
+  const std::string after = slurp();
+  for (const char* label : {"down_store_pp_c4<192>", "gate_swiglu<128>", "down_store_pps<256>"})
+    EXPECT_NE(after.find(label), std::string::npos) << label << " lost:\n" << after;
+  EXPECT_NE(after.find(eng::to_string(cs[1])), std::string::npos) << after;
+  eng::TuneCache back;
+  ASSERT_TRUE(back.merge_json(after));
+  EXPECT_EQ(back.size(), 1u);
+  EXPECT_EQ(back.foreign_size(), 3u);
+  EXPECT_EQ(back.to_json(), after);  // the same text again: one canonical form
+
+  // A file that does not parse is not ours to replace: the choice stays in memory, the file as it was.
+  const std::string junk = "[{\"kind\": \"down_store\", \"N\": 7";
+  { std::ofstream(path, std::ios::trunc) << junk; }
+  eng::reload_tune_store_from_env();
+  EXPECT_TRUE(eng::store_tuned(key, cs[1]) == cs[1]);
+  EXPECT_TRUE(*eng::tuned_choice(key) == cs[1]);
+  EXPECT_EQ(slurp(), junk);
+
+  // Four processes storing 25 keys each at once: all 100 end up in the file.
+  std::filesystem::remove(path);
+  constexpr int kProcs = 4, kKeys = 25;
+  std::vector<pid_t> kids;
+  for (int p = 0; p < kProcs; ++p) {
+    const pid_t pid = fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+      eng::reload_tune_store_from_env();
+      bool ok = true;
+      for (int i = 0; i < kKeys; ++i) {
+        eng::TuneKey k = key;
+        k.N = 64 * (1 + p * kKeys + i);
+        ok = ok && eng::store_tuned(k, cs[0]) == cs[0];
+      }
+      _exit(ok ? 0 : 1);
+    }
+    kids.push_back(pid);
+  }
+  for (pid_t pid : kids) {
+    int status = 0;
+    ASSERT_EQ(waitpid(pid, &status, 0), pid);
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  }
+  eng::TuneCache all;
+  ASSERT_TRUE(all.merge_json(slurp()));
+  EXPECT_EQ(all.size(), static_cast<size_t>(kProcs * kKeys));
+  for (const auto& e : std::filesystem::directory_iterator(dir))  // no temporary file left behind
+    EXPECT_EQ(e.path().filename().string().find(".tmp."), std::string::npos) << e.path();
+
   std::filesystem::remove_all(dir);
   unsetenv("SMOE_ENGINE_TUNE_CACHE");
   eng::reload_tune_store_from_env();
