@@ -6,8 +6,10 @@
 #include <optional>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include "common/check.h"
+#include "engine/candidates.h"
 #include "engine/dispatch.h"
 #include "engine/engine.h"
 #include "engine/heuristic.h"
@@ -34,12 +36,24 @@ Status choose(const Args& a, int sm_count, cudaStream_t stream, const Overrides&
   if (o.tune && !o.forces()) {
     const TuneKey key = tune_key(a, sm_count);
     const std::optional<EngineConfig> cached = tuned_choice(key);
+    // A cached choice runs only where this call's rules allow it (a stale or hand-edited file, or
+    // rules changed since it was written): one of the call's candidates, the set the GPU tests force.
+    bool fits = false;
     if (cached) {
+      std::vector<EngineConfig> cs;
+      if constexpr (std::is_same_v<Args, VarlenMArgs>)
+        cs = candidates_varlen_m(a, DeviceFacts{sm_count});
+      else
+        cs = candidates_varlen_k(a, DeviceFacts{sm_count});
+      for (const EngineConfig& x : cs) fits = fits || x == *cached;
+    }
+    if (fits) {
       *from = "tuned";
       *c = cached;
       return Status{};
     }
-    if (o.measure) {
+    if (cached) *from = "heuristic; the cached " + to_string(*cached) + " does not fit this call";
+    if (o.measure && !cached) {
       const MeasureDecision d =
           decide_measure(o, false, a.rows, capture_state(stream), outputs_overlap_inputs(a));
       if (d == MeasureDecision::kMeasure) {
@@ -72,10 +86,13 @@ Status no_instance(const std::optional<EngineConfig>& c, const char* fn) {
 
 }  // namespace
 
+// The rules first (the entry points check them too): measuring launches every candidate on `a`.
 Status choose_config(const VarlenMArgs& a, int sm_count, cudaStream_t stream, Choice* out) {
+  SMOE_RETURN_IF_ERROR(check_varlen_m(a));
   return choose(a, sm_count, stream, overrides(), &out->config, &out->from);
 }
 Status choose_config(const VarlenKArgs& a, int sm_count, cudaStream_t stream, Choice* out) {
+  SMOE_RETURN_IF_ERROR(check_varlen_k(a));
   return choose(a, sm_count, stream, overrides(), &out->config, &out->from);
 }
 

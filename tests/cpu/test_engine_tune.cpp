@@ -314,6 +314,7 @@ TEST(EngineTune, AStoredChoiceIsWhatTheNextCallPicks) {
   // Another call with the same key (rows in the same power-of-two bucket) picks the same.
   auto b = a;
   b.rows = a.rows + 1000;
+  b.a_rows = b.rows;
   ASSERT_TRUE(eng::tune_key(b, kSms) == key);
   eng::Choice same;
   ASSERT_TRUE(eng::choose_config(b, kSms, nullptr, &same).ok());
@@ -446,6 +447,36 @@ TEST(EngineTune, TheCacheFileKeepsOtherBuildsAndOtherProcessesEntries) {
   for (const auto& e : std::filesystem::directory_iterator(dir))  // no temporary file left behind
     EXPECT_EQ(e.path().filename().string().find(".tmp."), std::string::npos) << e.path();
 
+  std::filesystem::remove_all(dir);
+  unsetenv("SMOE_ENGINE_TUNE_CACHE");
+  eng::reload_tune_store_from_env();
+}
+
+// A cached choice runs only where the call's rules allow it (a stale or hand-edited file); the
+// rules themselves come first, before any cache lookup or measuring (issue 37 review).
+TEST(EngineTune, ACachedChoiceThatDoesNotFitTheCallIsNotRun) {
+  const std::string dir = ::testing::TempDir() + "smoe_tune_fit_" + std::to_string(getpid());
+  std::filesystem::remove_all(dir);
+  setenv("SMOE_ENGINE_TUNE_CACHE", (dir + "/t.json").c_str(), 1);
+  unsetenv("SMOE_ENGINE_TUNE");
+  eng::reload_overrides_from_env();
+  eng::reload_tune_store_from_env();
+  const auto a = m_call(Kind::down_store, 640, 512, 128, 32768 * 8);  // N = 640: no BN 256 here
+  const eng::EngineConfig wide{Kind::down_store, eng::Sched::kCoop, 256, 1};
+  ASSERT_TRUE(eng::is_built(wide));
+  for (const auto& c : eng::candidates_varlen_m(a, eng::DeviceFacts{kSms})) ASSERT_FALSE(c == wide);
+  EXPECT_TRUE(eng::store_tuned(eng::tune_key(a, kSms), wide) == wide);  // as a stale file would hold
+  eng::Choice ch;
+  ASSERT_TRUE(eng::choose_config(a, kSms, nullptr, &ch).ok());
+  ASSERT_TRUE(ch.config.has_value());
+  EXPECT_FALSE(*ch.config == wide);
+  EXPECT_TRUE(*ch.config == eng::candidates_varlen_m(a, eng::DeviceFacts{kSms})[0]);  // the heuristic's
+  EXPECT_EQ(ch.from, "heuristic; the cached down_store<256> does not fit this call");
+  // A call that breaks the rules is refused by choose_config itself.
+  auto bad = a;
+  bad.N = 100;
+  eng::Choice none;
+  EXPECT_FALSE(eng::choose_config(bad, kSms, nullptr, &none).ok());
   std::filesystem::remove_all(dir);
   unsetenv("SMOE_ENGINE_TUNE_CACHE");
   eng::reload_tune_store_from_env();
