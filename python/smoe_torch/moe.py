@@ -207,7 +207,8 @@ class MoE(nn.Module):
             does not count again); call update_expert_bias() after the optimizer step (DeepSeek-V3's
             auxiliary-loss-free balancing). The counts are summed over `dp_group` first (default:
             the default process group when torch.distributed is initialised), so every
-            data-parallel rank makes the same update.
+            data-parallel rank makes the same update. Both buffers are fp32 and stay fp32 when the
+            module is cast (`.to(torch.bfloat16)`, `.half()`), following its device moves.
         token_rounding: None or "nr" | "up" | "down" | "sr" (SonicMoE TR, fused router only).
         num_shared_experts: > 0 adds `shared_experts` (SharedExperts, hidden hidden_dim * count),
             applied to every token and added to the routed output.
@@ -234,6 +235,8 @@ class MoE(nn.Module):
                  num_shared_experts=0, ep_group=None, dp_group=None, pack_gate_up=False):
         super().__init__()
         _check_module_args(dim, hidden_dim, num_experts, top_k, aux_loss_coef, load_balance_coeff, num_shared_experts)
+        if token_rounding not in (None, "nr", "up", "down", "sr"):
+            raise ValueError(f"token_rounding must be None, 'nr', 'up', 'down' or 'sr' (got {token_rounding!r})")
         self.ep_group = ep_group
         if ep_group is not None:
             if (ep_group.E, ep_group.d, ep_group.n, ep_group.K) != (num_experts, dim, hidden_dim, top_k):
@@ -250,8 +253,6 @@ class MoE(nn.Module):
         self.aux_loss = None
         if token_rounding is not None and (not self.router.fused() or bf16_logits):
             raise ValueError("token_rounding needs the fused router (softmax, route_norm, no groups, fp32 logits)")
-        if token_rounding not in (None, "nr", "up", "down", "sr"):
-            raise ValueError(f"token_rounding must be None, 'nr', 'up', 'down' or 'sr' (got {token_rounding!r})")
         self.token_rounding, self.bf16_logits, self.rounding_seed = token_rounding, bf16_logits, rounding_seed
         self.load_balance_coeff = load_balance_coeff
         self.dp_group = dp_group
@@ -262,6 +263,21 @@ class MoE(nn.Module):
             self.expert_bias = None
         self.shared_experts = SharedExperts(dim, hidden_dim * num_shared_experts, pack_gate_up) if num_shared_experts > 0 else None
         self.init_weights()
+
+    _FP32_BUFFERS = ("expert_bias", "tokens_per_expert")
+
+    def _apply(self, fn, *args, **kwargs):
+        """Module.to / .cuda / .bfloat16 / ...: expert_bias and tokens_per_expert follow device moves but
+        stay fp32 under dtype casts (bf16 would count exactly only up to 256 and round small bias
+        updates away). A cast buffer is replaced by the original fp32 values on the new device."""
+        before = {k: self._buffers[k] for k in self._FP32_BUFFERS if self._buffers.get(k) is not None}
+        out = super()._apply(fn, *args, **kwargs)
+        for k, b in before.items():
+            moved = self._buffers[k]
+            if moved is not None and moved.dtype != torch.float32:
+                src = b if b.dtype == torch.float32 else moved  # the uncast values where there are some
+                self._buffers[k] = src.to(device=moved.device, dtype=torch.float32)
+        return out
 
     def init_weights(self, std=0.02):
         nn.init.trunc_normal_(self.router.gate.weight, mean=0.0, std=std)

@@ -3,7 +3,8 @@
 The kernels' first-projection operand must be a view of w1/w3 (no per-step copy) when they are
 packed, with the values and gradients of the torch.stack it replaces; every way the packing can be
 lost (a device or dtype move, load_state_dict with assign, a replaced parameter) must either re-pack
-or fall back to the copy, never give a wrong operand.
+or fall back to the copy, never give a wrong operand. Also the same moves on MoE's fp32 buffers
+(expert_bias, tokens_per_expert: moe.py loaded with a stub extension).
     python3 -m pytest -q tests/python/test_packing.py
 """
 import copy
@@ -181,3 +182,49 @@ def test_default_is_dense_and_fused_adamw_updates_it_right():
     want = step(copy.deepcopy(m), fused=False)
     for a, b in zip(step(copy.deepcopy(m), fused=True), want):
         assert torch.allclose(a, b, rtol=0, atol=1e-12)
+
+
+def _moe_without_extension():
+    """python/smoe_torch/moe.py as a module of a package whose _C is an empty stub: the module can be
+    built, moved, cast and updated on CPU (its forward needs the extension's ops)."""
+    import importlib
+    import types
+    name = "smoe_moe_cpu"
+    if name + ".moe" not in sys.modules:
+        pkg = types.ModuleType(name)
+        pkg.__path__ = [os.path.join(os.path.dirname(__file__), "..", "..", "python", "smoe_torch")]
+        stub = types.ModuleType(name + "._C")
+        sys.modules[name], sys.modules[name + "._C"] = pkg, stub
+        pkg._C = stub
+    return importlib.import_module(name + ".moe")
+
+
+def test_moe_bias_and_counts_stay_fp32_under_casts_and_follow_moves():
+    """MoE(load_balance_coeff=...).to(torch.bfloat16) (or .half(), .double()) casts the parameters but
+    keeps expert_bias and tokens_per_expert fp32 with their values unrounded; a device move moves them.
+    The values are ones bf16 rounds (so this can fail), and update_expert_bias() on the cast module
+    gives the fp32 update."""
+    moe = _moe_without_extension()
+    coeff = 1e-4
+    m = moe.MoE(128, 64, 8, 2, load_balance_coeff=coeff)
+    counts = torch.tensor([257.0, 1001.0, 3.0, 4097.0, 0.0, 12.0, 555.0, 9.0])
+    bias = torch.linspace(-0.3, 0.3, 8) + 1e-3 * torch.arange(8.0)
+    assert not torch.equal(counts.bfloat16().float(), counts) and not torch.equal(bias.bfloat16().float(), bias)
+    m.tokens_per_expert.copy_(counts)
+    m.expert_bias.copy_(bias)
+    for cast, dtype in ((lambda t: t.to(torch.bfloat16), torch.bfloat16), (lambda t: t.half(), torch.float16),
+                        (lambda t: t.double(), torch.float64), (lambda t: t.bfloat16(), torch.bfloat16)):
+        m = cast(m)
+        assert m.router.gate.weight.dtype == dtype and m.experts.w1.dtype == dtype
+        assert m.tokens_per_expert.dtype == torch.float32 and m.expert_bias.dtype == torch.float32
+        assert torch.equal(m.tokens_per_expert, counts) and torch.equal(m.expert_bias, bias)
+    assert m.state_dict()["expert_bias"].dtype == torch.float32
+    m.update_expert_bias()
+    want = bias + coeff * torch.sign(counts.mean() - counts)
+    want = want - want.mean()
+    assert torch.equal(m.expert_bias, want) and m.tokens_per_expert.abs().sum().item() == 0
+    m = m.to("meta", torch.bfloat16)
+    assert m.expert_bias.device.type == "meta" and m.tokens_per_expert.device.type == "meta"
+    assert m.expert_bias.dtype == torch.float32 and m.tokens_per_expert.dtype == torch.float32
+    assert m.router.gate.weight.device.type == "meta" and m.router.gate.weight.dtype == torch.bfloat16
+    assert moe.MoE(128, 64, 8, 2).to(torch.bfloat16).expert_bias is None  # no balancing, no buffers

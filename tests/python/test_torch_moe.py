@@ -580,6 +580,8 @@ def test_topk_routing_op_checks_top_k_before_casting():
     (dict(aux_loss_coef=-1.0), "aux_loss_coef"),
     (dict(load_balance_coeff=-1e-3), "load_balance_coeff"),
     (dict(num_shared_experts=-1), "num_shared_experts"),
+    (dict(token_rounding="bogus"), "token_rounding must be"),
+    (dict(token_rounding="bogus", score_func="sigmoid"), "token_rounding must be"),  # the value before the router rule
 ])
 def test_module_arguments_checked_at_construction(kw, mentions):
     args = dict(dim=128, hidden_dim=64, num_experts=8, top_k=2)
