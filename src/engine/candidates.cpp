@@ -48,5 +48,26 @@ std::vector<EngineConfig> candidates_varlen_k(const VarlenKArgs& a, const Device
   return ordered(choose_varlen_k(a, dev, Overrides{}), forced);
 }
 
+bool is_candidate(const VarlenMArgs& a, const DeviceFacts& dev, const EngineConfig& c) {
+  Overrides o;
+  o.sched = c.sched == Sched::kCoop ? ForcedSched::kCoop : c.sched == Sched::kPingPong64 ? ForcedSched::kPingPong64
+                                                                                          : ForcedSched::kPingPong;
+  o.staged_store = c.sched == Sched::kPingPongStaged ? 1 : c.sched == Sched::kPingPongStaged2 ? 2
+                   : c.sched == Sched::kPingPong     ? 0
+                                                     : -1;
+  o.bn_m = c.bn;
+  o.cluster_m = c.cluster;
+  const std::optional<EngineConfig> got = choose_varlen_m(a, dev, o);
+  return got && *got == c;
+}
+
+bool is_candidate(const VarlenKArgs& a, const DeviceFacts& dev, const EngineConfig& c) {
+  Overrides o;
+  o.bn_k = c.bn;
+  o.cluster_k = c.cluster;
+  const std::optional<EngineConfig> got = choose_varlen_k(a, dev, o);
+  return got && *got == c;
+}
+
 }  // namespace engine
 }  // namespace smoe

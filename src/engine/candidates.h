@@ -23,5 +23,11 @@ namespace engine {
 std::vector<EngineConfig> candidates_varlen_m(const VarlenMArgs& a, const DeviceFacts& dev);
 std::vector<EngineConfig> candidates_varlen_k(const VarlenKArgs& a, const DeviceFacts& dev);
 
+// Whether `c` is one of the call's candidates, by one forced choose (no list built): the heuristic
+// under the switches that name c's schedule, BN and cluster returns c exactly. For the entry points'
+// check of a cached choice (engine.cpp), which runs on every call of a tuned key.
+bool is_candidate(const VarlenMArgs& a, const DeviceFacts& dev, const EngineConfig& c);
+bool is_candidate(const VarlenKArgs& a, const DeviceFacts& dev, const EngineConfig& c);
+
 }  // namespace engine
 }  // namespace smoe

@@ -6,7 +6,6 @@
 #include <optional>
 #include <string>
 #include <type_traits>
-#include <vector>
 
 #include "common/check.h"
 #include "engine/candidates.h"
@@ -38,16 +37,7 @@ Status choose(const Args& a, int sm_count, cudaStream_t stream, const Overrides&
     const std::optional<EngineConfig> cached = tuned_choice(key);
     // A cached choice runs only where this call's rules allow it (a stale or hand-edited file, or
     // rules changed since it was written): one of the call's candidates, the set the GPU tests force.
-    bool fits = false;
-    if (cached) {
-      std::vector<EngineConfig> cs;
-      if constexpr (std::is_same_v<Args, VarlenMArgs>)
-        cs = candidates_varlen_m(a, DeviceFacts{sm_count});
-      else
-        cs = candidates_varlen_k(a, DeviceFacts{sm_count});
-      for (const EngineConfig& x : cs) fits = fits || x == *cached;
-    }
-    if (fits) {
+    if (cached && is_candidate(a, DeviceFacts{sm_count}, *cached)) {
       *from = "tuned";
       *c = cached;
       return Status{};

@@ -2,6 +2,7 @@
 // policy (repetitions, median, winner), when a call is measured (switches, cache, capture, aliasing),
 // the tune store's file, and that a stored choice is what the next call picks. What only the GPU can
 // show (the timing loop in tuner.cpp, apps/smoe_tune.cu) is not here.
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -116,6 +117,19 @@ void expect_well_formed(Kind kind, int N, const std::vector<eng::EngineConfig>& 
 
 }  // namespace
 
+// Every built instantiation (the instance list), for the cached-choice check below.
+static std::vector<eng::EngineConfig> all_built() {
+  std::vector<eng::EngineConfig> out;
+  for (Kind k : {Kind::up_swiglu, Kind::down_store, Kind::dx_store, Kind::da_dswiglu, Kind::dw_gather_p,
+                 Kind::dw_gather_p_t, Kind::dw_tma})
+    for (eng::Sched s : {eng::Sched::kCoop, eng::Sched::kPingPong, eng::Sched::kPingPongStaged,
+                         eng::Sched::kPingPongStaged2, eng::Sched::kPingPong64})
+      for (int bn : {128, 192, 256})
+        for (int c : {1, 2})
+          if (eng::is_built(eng::EngineConfig{k, s, bn, c})) out.push_back(eng::EngineConfig{k, s, bn, c});
+  return out;
+}
+
 TEST(EngineTune, CandidatesForEveryKind) {
   const eng::DeviceFacts dev{kSms};
   // 30B n512 E128 K8 (T 32768), 7B n256 E128 K8 (n = 256: a 2n of 512 and a single dA' column tile
@@ -132,6 +146,8 @@ TEST(EngineTune, CandidatesForEveryKind) {
       const auto cs = eng::candidates_varlen_m(a, dev);
       expect_well_formed(k, a.N, cs, eng::choose_varlen_m(a, dev, eng::Overrides{}), true);
       EXPECT_EQ(labels(eng::candidates_varlen_m(a, dev)), labels(cs)) << "deterministic";
+      for (const auto& c : all_built())  // the cached-choice check: exactly the candidate list
+        EXPECT_EQ(eng::is_candidate(a, dev, c), std::find(cs.begin(), cs.end(), c) != cs.end()) << eng::to_string(c);
     }
     for (Kind k : {Kind::dw_gather_p, Kind::dw_gather_p_t, Kind::dw_tma}) {
       const auto a = k_call(k, s.d, s.n, s.E, s.rows);
@@ -139,6 +155,8 @@ TEST(EngineTune, CandidatesForEveryKind) {
       // BN applies to the kernel's N (the transposed call's M for dW1).
       expect_well_formed(k, eng::as_gather_p(a).N, cs, eng::choose_varlen_k(a, dev, eng::Overrides{}), false);
       EXPECT_EQ(labels(eng::candidates_varlen_k(a, dev)), labels(cs)) << "deterministic";
+      for (const auto& c : all_built())
+        EXPECT_EQ(eng::is_candidate(a, dev, c), std::find(cs.begin(), cs.end(), c) != cs.end()) << eng::to_string(c);
     }
   }
 }
