@@ -4,7 +4,7 @@
 //
 //   build/smoe_heuristic < keys.txt
 // One key per line, the tune log's key text with exact rows in place of the bucket:
-//   <kind> N=<N> K=<K> E=<E> rows=<rows> halves=<0|1> sm_count=<SMs>
+//   <kind> N=<N> K=<K> E=<E> rows=<rows> halves=<0|1> sm_count=<SMs> [hbm_gbps=<GB/s>]
 // (varlen-K kinds: N and K as the tune key has them, K = the kernel's M after a Q-gathered call's
 // transpose). Prints one line per key: the label (config.h to_string), or "none" where no built
 // instantiation fits, or "error: ..." for a line it cannot read. The SMOE_ENGINE_* switches are not
@@ -61,9 +61,16 @@ std::string pick(const std::string& line) {
   if (!parse_kind(kind_s, &kind)) return "error: unknown kind " + kind_s;
   if (!field(in, "N", &N) || !field(in, "K", &K) || !field(in, "E", &E) || !field(in, "rows", &rows) ||
       !field(in, "halves", &halves) || !field(in, "sm_count", &sms))
-    return "error: expected '<kind> N= K= E= rows= halves= sm_count='";
-  if (N <= 0 || K <= 0 || E <= 0 || rows < 0 || sms <= 0) return "error: N, K, E, sm_count > 0 and rows >= 0";
-  const eng::DeviceFacts dev{static_cast<int>(sms)};
+    return "error: expected '<kind> N= K= E= rows= halves= sm_count= [hbm_gbps=]'";
+  int64_t hbm = 0;  // unknown unless given
+  std::string rest;
+  if (in >> std::ws && !in.eof()) {
+    std::istringstream tail(line.substr(static_cast<size_t>(in.tellg())));
+    if (!field(tail, "hbm_gbps", &hbm) || (tail >> rest)) return "error: after sm_count only hbm_gbps=<GB/s>";
+  }
+  if (N <= 0 || K <= 0 || E <= 0 || rows < 0 || sms <= 0 || hbm < 0)
+    return "error: N, K, E, sm_count > 0 and rows, hbm_gbps >= 0";
+  const eng::DeviceFacts dev{static_cast<int>(sms), static_cast<int>(hbm)};
   const eng::Overrides none;
   std::optional<eng::EngineConfig> c;
   if (kind == eng::Kind::dw_gather_p || kind == eng::Kind::dw_gather_p_t || kind == eng::Kind::dw_tma) {

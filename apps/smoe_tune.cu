@@ -22,6 +22,7 @@
 #include <cuda_runtime_api.h>
 
 #include "device_random.cuh"
+#include "engine/heuristic.h"
 #include "engine/overrides.h"
 #include "engine/tune_store.h"
 #include "engine/tuner.h"
@@ -206,6 +207,12 @@ int main(int argc, char** argv) {
   }
   std::printf("tune cache: %s\n", eng::tune_store_path().empty() ? "(no path: memory only)"
                                                                   : eng::tune_store_path().c_str());
+  {  // the facts the heuristic's rules read (bench/reports/heuristic_fit.py parses this line)
+    int dev = 0, sms = 0;
+    cudaDeviceProp prop{};
+    if (cudaGetDevice(&dev) == cudaSuccess && cudaGetDeviceProperties(&prop, dev) == cudaSuccess) sms = prop.multiProcessorCount;
+    std::printf("device: %s sm_count=%d hbm_gbps=%d\n", prop.name, sms, eng::device_facts(sms).hbm_gbps);
+  }
   int failed = 0;
   for (const smoe_bench::Config& c : configs) {
     if (!only.empty() && c.name.find(only) == std::string::npos) continue;

@@ -21,19 +21,26 @@ import argparse
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from tuner_report import CAND_RE, CONFIG_RE, KEY_RE  # noqa: E402  (the tune log's one grammar)
 
+DEVICE_RE = re.compile(r"^device: .* hbm_gbps=(\d+)")  # smoe_tune's first line (since 2026-12-06)
+
 MISS = 1.05  # a pick this much slower than the fastest is listed (the tuner's margin)
 
 
 def parse_log(path):
     """[{config, rows, kind, N, K, E, halves, sms, cands: {label: ms}, logged}] of one tune log."""
-    keys, cfg, rows, cur = [], None, None, None
+    keys, cfg, rows, cur, hbm = [], None, None, None, 0
     for line in open(path):
+        m = DEVICE_RE.match(line)
+        if m:
+            hbm = int(m.group(1))
+            continue
         m = CONFIG_RE.match(line)
         if m:
             cfg, rows = m.group(1), int(m.group(2)) * int(m.group(6))
@@ -43,7 +50,7 @@ def parse_log(path):
         if m:
             cur = {"config": cfg, "rows": rows, "kind": m.group(1), "N": int(m.group(2)), "K": int(m.group(3)),
                    "E": int(m.group(4)), "halves": int(m.group(6)), "sms": int(m.group(7)), "cands": {},
-                   "logged": None, "log": path}
+                   "logged": None, "log": path, "hbm_gbps": hbm}
             keys.append(cur)
             continue
         m = CAND_RE.match(line)
@@ -71,9 +78,9 @@ def parse_tuner_json(path, sms=132):
     return [k for k in keys if k["cands"]]
 
 
-def heuristic_picks(binary, keys):
+def heuristic_picks(binary, keys, hbm_gbps=0):
     text = "".join(f"{k['kind']} N={k['N']} K={k['K']} E={k['E']} rows={k['rows']} halves={k['halves']} "
-                   f"sm_count={k['sms']}\n" for k in keys)
+                   f"sm_count={k['sms']} hbm_gbps={k.get('hbm_gbps') or hbm_gbps}\n" for k in keys)
     out = subprocess.run([binary], input=text, capture_output=True, text=True, check=True).stdout.splitlines()
     if len(out) != len(keys):
         sys.exit(f"{binary}: {len(out)} answers for {len(keys)} keys")
@@ -156,13 +163,16 @@ def main():
     ap.add_argument("logs", nargs="*", help="smoe_tune stdout logs")
     ap.add_argument("--tuner-json", action="append", default=[], help="tuner_report.py JSON (SM count 132)")
     ap.add_argument("--bin", default="build/smoe_heuristic", help="this build's smoe_heuristic")
+    ap.add_argument("--hbm-gbps", type=int, default=0,
+                    help="the measuring device's HBM bandwidth in GB/s where a log does not say it (smoe_tune's "
+                         "'device:' line): H100 SXM 3352, H200 4800; 0 = unknown (the heuristic's default rules)")
     ap.add_argument("--md", help="write the markdown report here (default: stdout)")
     ap.add_argument("--json", help="write every key with its picks and regrets here")
     args = ap.parse_args()
     keys = [k for p in args.logs for k in parse_log(p)] + [k for p in args.tuner_json for k in parse_tuner_json(p)]
     if not keys:
         sys.exit("no keys in the logs")
-    for k, p in zip(keys, heuristic_picks(args.bin, keys)):
+    for k, p in zip(keys, heuristic_picks(args.bin, keys, args.hbm_gbps)):
         k["pick"] = p
     sums = score(keys)
     md = markdown(keys, sums, args.logs + args.tuner_json)

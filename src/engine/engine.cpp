@@ -37,7 +37,7 @@ Status choose(const Args& a, int sm_count, cudaStream_t stream, const Overrides&
     const std::optional<EngineConfig> cached = tuned_choice(key);
     // A cached choice runs only where this call's rules allow it (a stale or hand-edited file, or
     // rules changed since it was written): one of the call's candidates, the set the GPU tests force.
-    if (cached && is_candidate(a, DeviceFacts{sm_count}, *cached)) {
+    if (cached && is_candidate(a, device_facts(sm_count), *cached)) {
       *from = "tuned";
       *c = cached;
       return Status{};
@@ -61,9 +61,9 @@ Status choose(const Args& a, int sm_count, cudaStream_t stream, const Overrides&
   }
   if (from->empty()) *from = o.forces() ? "override" : "heuristic";
   if constexpr (std::is_same_v<Args, VarlenMArgs>)
-    *c = choose_varlen_m(a, DeviceFacts{sm_count}, o);
+    *c = choose_varlen_m(a, device_facts(sm_count), o);
   else
-    *c = choose_varlen_k(a, DeviceFacts{sm_count}, o);
+    *c = choose_varlen_k(a, device_facts(sm_count), o);
   return Status{};
 }
 

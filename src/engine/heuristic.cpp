@@ -42,6 +42,39 @@ std::optional<EngineConfig> built_varlen_m(Kind kind, bool pp, int bn, int clust
   return std::nullopt;
 }
 
+// Devices with less HBM bandwidth than the H200 (H100 SXM 3.35 TB/s, PCIe 2.0, H800) against the
+// same 132 SMs and 50 MB of L2: the H100 measured other winners than the H200 on the same shapes
+// (smoe_tune over 41 shapes, bench/results/h100/heuristic_fit.md). Unknown bandwidth (0): the H200's rules.
+bool lean_hbm(const DeviceFacts& dev) { return dev.hbm_gbps > 0 && dev.hbm_gbps < kLeanHbmGbps; }
+
+// Lean HBM, 2-CTA clusters (B multicast): from 8 MiB of weights per expert for the store GEMMs when
+// the output is at least 3072 wide (H100, 28 keys: 120B's dX~ 12.2 -> 6.5 ms, Qwen3-235B's
+// down-proj x1.63, Kimi-K2 x1.8-1.95; at N <= 2880 the pair lost or tied: d2880, gpt-oss-20b's
+// down-proj, E8 K1 n16384's x0.90; but gpt-oss-20b's and d2880's dX~, 31.6 MiB at N = 2880, gained
+// x1.2 / x1.7 over the unpaired ping-pong), from 16 MiB for the gathered GEMMs (up-proj: Qwen2-57B x1.54,
+// DeepSeek-V3.2 x2.1; T12345 at 13.8 MiB and Qwen1.5 at 11 MiB lost 4-7%). Experts must average
+// more than one 128-row tile (a pair of M-tiles shares each B tile; at 64 rows per expert the
+// second is padding: few d4096 n1536 T2048's dX~ lost 8%); 170 rows already gained (E384 K8).
+bool lean_cluster(const VarlenMArgs& a, int64_t weight_bytes) {
+  if (a.rows <= int64_t{128} * a.num_experts) return false;
+  if (a.epilogue == Epilogue::kStore)
+    return weight_bytes >= (int64_t{8} << 20) && (a.N >= 3072 || (a.N % 256 != 0 && weight_bytes >= (int64_t{24} << 20)));
+  return weight_bytes >= (int64_t{16} << 20);
+}
+
+// Lean HBM, the 64 x 256 pairs of the gathered GEMMs (N % 256 == 0 checked by the caller).
+// up-proj: only at d <= 2048 with <= 2048 rows per expert (7B, K1 E16, d1024 n512 E256: x1.02-1.04;
+// at longer d cooperative 128 x 256 won by 8-27%: 30B, 120B, Qwen3-235B, T20000, T12345).
+// dA': from N = 768, at d <= 2048 or N >= 1536 (OLMoE x1.07, 7B n1024 x1.06, Qwen3-235B, DSV2;
+// 120B's N = 1024 at d = 4096 lost 9%), below 16 MiB of weights (above, the 128 x 128 pairs won:
+// DeepSeek-V3.2 x1.18, Qwen2-57B x1.21 over the 64 x 256 pairs).
+bool lean_pp64(const VarlenMArgs& a, int64_t weight_bytes) {
+  if (a.epilogue == Epilogue::kSwiGLU)
+    return a.N >= 512 && a.K <= 2048 && a.rows <= int64_t{2048} * a.num_experts && weight_bytes < (int64_t{16} << 20);
+  if (a.epilogue == Epilogue::kDSwiGLU) return a.N >= 768 && (a.K <= 2048 || a.N >= 1536) && weight_bytes < (int64_t{16} << 20);
+  return false;
+}
+
 }  // namespace
 
 std::optional<EngineConfig> choose_varlen_m(const VarlenMArgs& a, const DeviceFacts& dev, const Overrides& o) {
@@ -54,8 +87,10 @@ std::optional<EngineConfig> choose_varlen_m(const VarlenMArgs& a, const DeviceFa
   // 13.2, dX~ 34.2 -> 27.9). Not with few rows per expert: a pair's second M-tile is idle
   // padding when an expert's M-tile count is odd (narrow-expert shapes lost 4-8% with it).
   const int64_t weight_bytes = int64_t{a.N} * a.K * 2;
-  const bool big_weights =
-      weight_bytes > kClusterMinWeightBytes && a.rows >= int64_t{kClusterMinRowsPerExpert} * a.num_experts;
+  const bool lean = lean_hbm(dev);
+  const bool big_weights = lean ? lean_cluster(a, weight_bytes)
+                                : weight_bytes > kClusterMinWeightBytes &&
+                                      a.rows >= int64_t{kClusterMinRowsPerExpert} * a.num_experts;
   ForcedSched fs = o.sched;
   const int forced = o.bn_m;
   const int fc = o.cluster_m;
@@ -70,11 +105,16 @@ std::optional<EngineConfig> choose_varlen_m(const VarlenMArgs& a, const DeviceFa
   // narrow E512 K8 n128 lost 7%).
   const bool pp64_shape = !store && a.N % 256 == 0;
   if (fs == ForcedSched::kPingPong64 && !pp64_shape) fs = ForcedSched::kNone;  // gathered GEMMs only
-  // dA' only from K = d = 2048: its 64 x 256 pairs gained 4-10% at d >= 2048 (Qwen3-235B 7.05 ->
-  // 6.38 ms, 120B 4.49 -> 4.17, OLMoE 2.75 -> 2.64) and lost 1-2% at d = 1536 (7B n512 0.462 vs
-  // 0.455): its epilogue is twice the up-proj's per element, and a short mainloop hides less.
-  const bool pp64_rule =
-      pp64_shape && a.N >= 512 && !big_weights && (a.epilogue == Epilogue::kSwiGLU || a.K >= 2048);
+  // dA': its 64 x 256 pairs gained 4-10% at d >= 2048 (Qwen3-235B 7.05 -> 6.38 ms, 120B 4.49 ->
+  // 4.17, OLMoE 2.75 -> 2.64); at d = 1536 they once measured 1-2% slower (7B n512 0.462 vs 0.455,
+  // before the predicated stores), and the rule then stopped at K = 2048.
+  // Re-measured by the tuner at b984359 / 16e558c (H200, bench/results/h200/tuner.md): dA' gains
+  // from the pairs at d = 1536 too (7B n512 / n1024: x1.07 / x1.09 alone, x1.08 in the layer) and
+  // with weights above half the L2 (DeepSeek-V3.2 x1.14, wide d8192 n2048 x1.22, E16 K1 n8192
+  // x1.08), so dA' takes them at any K and any weight size; the up-projection keeps both limits.
+  const bool dsw = a.epilogue == Epilogue::kDSwiGLU;
+  const bool pp64_rule = lean ? pp64_shape && lean_pp64(a, weight_bytes)
+                              : pp64_shape && a.N >= 512 && (dsw || (!big_weights && a.epilogue == Epilogue::kSwiGLU));
   const bool pp64 = fs == ForcedSched::kPingPong64 || (fs == ForcedSched::kNone && forced == 0 && pp64_rule);
   if (pp64) {
     const EngineConfig c{kind, Sched::kPingPong64, 256, fc ? fc : 2};
@@ -87,15 +127,31 @@ std::optional<EngineConfig> choose_varlen_m(const VarlenMArgs& a, const DeviceFa
   // the epilogue is long next to the mainloop: every dA' (dSwiGLU: H loads, dH, A', dS per
   // element), and SwiGLU / store GEMMs with K <= kPingPongMaxK (K = n or 2n, or a short d);
   // cooperative 128 x 256 on long-K GEMMs, where the operand traffic is what limits.
+  // That trade needs BN = 256: with N % 256 != 0 a long-K GEMM would run cooperative 128 x 128,
+  // which reads as many operand bytes per FLOP as ping-pong 128 x 128 and more than 128 x 192, and
+  // hides nothing. So ping-pong there too. Tuner at 16e558c (H200, bench/results/h200/tuner.md),
+  // wide d2880 n2880 E128 K4: down-proj (N 2880, K 2880) x1.12 and dX~ (K 5760) x1.22 at 128 x 192,
+  // up-proj (N 5760) x1.06 at 128 x 128; d6144 n2880's dA' (N 2880) is ping-pong already.
   const int pp_max_k = o.pingpong_max_k >= 0 ? o.pingpong_max_k : kPingPongMaxK;
-  bool pp = a.epilogue == Epilogue::kDSwiGLU || a.K <= pp_max_k;
+  bool pp = a.epilogue == Epilogue::kDSwiGLU || a.K <= pp_max_k || a.N % 256 != 0;
+  // Lean HBM: the up-projection's ping-pong 128 x 128 lost to cooperative 128 x 256 at every
+  // K (1.4B K = 768 x1.06, OLMoE K = 2048 x1.10, 30B n512 K = 4096 x1.16 on the H100); it keeps
+  // ping-pong where BN = 256 cannot run (N % 256 != 0) or through the 64 x 256 pairs above.
+  if (lean && a.epilogue == Epilogue::kSwiGLU) pp = a.N % 256 != 0;
+  // Lean HBM, dX~ without a pair above the staged-store K: ping-pong 128 x 192 from registers ran
+  // 1.2-1.7x the cooperative 128 x 256 (Qwen3-Next 4.23 vs 2.45 ms, OLMoE 4.26 vs 3.45, d1024 n512
+  // E256 2.20 vs 1.99), which stayed within 5% of the fastest candidate on every such key.
+  if (lean && kind == Kind::dx_store && !big_weights && a.N % 256 == 0 && a.N >= 2048 && a.K > kStagedStoreMaxK)
+    pp = false;
   if (fs != ForcedSched::kNone) pp = fs == ForcedSched::kPingPong;
   int bn;
   if (pp) {
     // Stores: 128 x 192 (more B reuse per A row than 128 x 128) unless the last column tile would
     // waste more than 1/8 of the columns; the fused epilogues hold more per element: 128 x 128.
+    // Lean HBM: exactly 1/8 (N = 1024) already loses (H100: narrow E512 K8 n128's down-proj
+    // x1.21, d1024 n512 E256's dX~ x1.12 at 128 x 128).
     const int64_t pad192 = (a.N + 191) / 192 * 192 - a.N;
-    const bool wide = store && (forced ? forced == 192 : pad192 * 8 <= a.N);
+    const bool wide = store && (forced ? forced == 192 : lean ? pad192 * 8 < a.N : pad192 * 8 <= a.N);
     bn = wide ? 192 : 128;
   } else if (a.epilogue == Epilogue::kDSwiGLU) {
     bn = 128;  // 64 x 128 per warpgroup keeps its epilogue inside the register budget

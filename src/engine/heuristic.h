@@ -16,7 +16,11 @@ namespace engine {
 
 struct DeviceFacts {
   int sm_count = 0;  // the device's SMs (the persistent grid); the "waves" below count tiles per SM
+  int hbm_gbps = 0;  // peak memory bandwidth, GB/s (0: unknown, the H200's rules)
 };
+
+// Below this HBM bandwidth (GB/s) the heuristic takes the H100's rules (heuristic.cpp, lean_hbm).
+constexpr int kLeanHbmGbps = 4000;
 
 // SwiGLU and store GEMMs with K up to this run ping-pong by default.
 constexpr int kPingPongMaxK = 2048;
@@ -29,6 +33,12 @@ constexpr int kClusterMinRowsPerExpert = 512;
 constexpr int kStagedStoreMaxK = 512;
 // ... in two slabs per warpgroup (a 64-row buffer, EpiStoreStagedT<2>, _pps2) up to this K.
 constexpr int kStagedStore2MaxK = 256;
+
+// The facts of the current device (cudaGetDevice): sm_count as given, HBM bandwidth from its memory
+// clock and bus width (device_facts.cpp; 0 where the query fails). Cached per device.
+DeviceFacts device_facts(int sm_count);
+// Peak bandwidth in GB/s of a double-data-rate bus (0 for non-positive inputs).
+int hbm_gbps_of(int memory_clock_khz, int bus_width_bits);
 
 // nullopt: no built instantiation fits (only possible with overrides that force one away).
 std::optional<EngineConfig> choose_varlen_m(const VarlenMArgs& a, const DeviceFacts& dev, const Overrides& o);

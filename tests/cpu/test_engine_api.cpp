@@ -7,6 +7,7 @@
 
 #include <gtest/gtest.h>
 
+#include "engine/candidates.h"
 #include "engine/config.h"
 #include "engine/engine.h"
 #include "engine/heuristic.h"
@@ -172,8 +173,19 @@ TEST(EngineApi, TileHeuristic) {
   a.rows = 4000;  // 31 x 2 wide tiles: too few, narrow tiles balance better
   EXPECT_EQ(choice_m(a).bn, 128);
   a.rows = 200000;
-  a.N = 640;  // not a multiple of 256
-  EXPECT_EQ(choice_m(a).bn, 128);
+  a.N = 640;  // not a multiple of 256: ping-pong (128 x 192 would pad 1/6 of the columns)
+  EXPECT_TRUE(choice_m(a) == cfg("down_store_pp<128>")) << chosen_m(a);
+  a.N = 2880;  // 15 tiles of 192: ping-pong 128 x 192, not cooperative 128 x 128
+  EXPECT_TRUE(choice_m(a) == cfg("down_store_pp<192>")) << chosen_m(a);
+  a.b_major = eng::WeightMajor::kKN;  // (weights 23.6 MB: inside half the L2, no cluster)
+  EXPECT_TRUE(choice_m(a) == cfg("dx_store_pp<192>")) << chosen_m(a);
+  a.b_major = eng::WeightMajor::kNK;
+  a.epilogue = eng::Epilogue::kSwiGLU;
+  a.N = 5760;  // up-proj of n = 2880: no SwiGLU 192, ping-pong 128 x 128
+  a.K = 2112;  // > kPingPongMaxK, weights 24.3 MB (< 24 MiB: no cluster)
+  EXPECT_TRUE(choice_m(a) == cfg("up_swiglu_pp<128>")) << chosen_m(a);
+  a.epilogue = eng::Epilogue::kStore;
+  a.K = 4096;
   // Short-K store (down-proj over n, dX~ over 2n): ping-pong, 128 x 192 per warpgroup unless
   // the last column tile is mostly padding.
   a.N = 4096;  // 21 1/3 tiles of 192: 3% padding
@@ -219,8 +231,8 @@ TEST(EngineApi, TileHeuristic) {
   a.N = 256;
   EXPECT_TRUE(choice_m(a) == cfg("da_dswiglu_pp<128>")) << chosen_m(a);
   a.N = 512;
-  a.K = 1536;  // dA' at d < 2048: 128 x 128
-  EXPECT_TRUE(choice_m(a) == cfg("da_dswiglu_pp<128>")) << chosen_m(a);
+  a.K = 1536;  // dA' at d < 2048: the pairs too
+  EXPECT_TRUE(choice_m(a) == cfg("da_dswiglu_pp64_c2<256>")) << chosen_m(a);
   a.K = 4096;
   a.b_major = eng::WeightMajor::kNK;
   a.epilogue = eng::Epilogue::kSwiGLU;
@@ -249,6 +261,9 @@ TEST(EngineApi, TileHeuristic) {
   a.N = 4096;
   a.K = 7168;       // 56 MiB of weights per expert
   EXPECT_TRUE(choice_m(a) == cfg("up_swiglu_c2<256>")) << chosen_m(a);
+  a.epilogue = eng::Epilogue::kDSwiGLU;
+  a.N = 2048;  // DeepSeek-V3.2's dA' (28 MiB of weights per expert): the 64 x 256 pairs all the same
+  EXPECT_TRUE(choice_m(a) == cfg("da_dswiglu_pp64_c2<256>")) << chosen_m(a);
   a.epilogue = eng::Epilogue::kStore;
   a.N = 7168;
   a.K = 2048;       // 28 MiB
@@ -365,26 +380,77 @@ TEST(EngineApi, HeuristicReturnsBuiltConfigs) {
         for (int K : {128, 256, 512, 1024, 2048, 4096, 7168})
           for (int64_t rows : {int64_t{0}, int64_t{1000}, int64_t{200000}})
             for (auto sched : {eng::ForcedSched::kNone, eng::ForcedSched::kCoop, eng::ForcedSched::kPingPong,
-                               eng::ForcedSched::kPingPong64}) {
-              if (epi == eng::Epilogue::kSwiGLU && N % 128 != 0) continue;
-              eng::VarlenMArgs a = good_m();
-              a.epilogue = epi;
-              a.b_major = major;
-              a.N = N;
-              a.K = K;
-              a.rows = rows;
-              o = eng::Overrides{};
-              o.sched = sched;
-              const auto c = eng::choose_varlen_m(a, eng::DeviceFacts{132}, o);
-              ASSERT_TRUE(c.has_value()) << N << " " << K;
-              EXPECT_TRUE(eng::is_built(*c)) << eng::to_string(*c);
-              EXPECT_TRUE(*c == *eng::choose_varlen_m(a, eng::DeviceFacts{132}, o));
-              ++checked;
-            }
+                               eng::ForcedSched::kPingPong64})
+              for (int hbm : {0, 3352, 4917}) {  // unknown, H100 SXM (the lean rules), H200
+                if (epi == eng::Epilogue::kSwiGLU && N % 128 != 0) continue;
+                eng::VarlenMArgs a = good_m();
+                a.epilogue = epi;
+                a.b_major = major;
+                a.N = N;
+                a.K = K;
+                a.rows = rows;
+                o = eng::Overrides{};
+                o.sched = sched;
+                const eng::DeviceFacts dev{132, hbm};
+                const auto c = eng::choose_varlen_m(a, dev, o);
+                ASSERT_TRUE(c.has_value()) << N << " " << K;
+                EXPECT_TRUE(eng::is_built(*c)) << eng::to_string(*c);
+                EXPECT_TRUE(*c == *eng::choose_varlen_m(a, dev, o));
+                // The unforced pick is one of the tuner's candidates (what a cached choice is checked against).
+                if (sched == eng::ForcedSched::kNone && a.rows > 0)
+                  EXPECT_TRUE(eng::is_candidate(a, dev, *c)) << eng::to_string(*c) << " hbm " << hbm;
+                // Above the lean threshold the H200's rules: the same pick as an unknown device.
+                if (hbm > eng::kLeanHbmGbps) EXPECT_TRUE(*c == *eng::choose_varlen_m(a, eng::DeviceFacts{132}, o));
+                ++checked;
+              }
   o = eng::Overrides{};
   EXPECT_GT(checked, 1000);
   EXPECT_EQ(eng::to_string(cfg("da_dswiglu_pp64_c2<256>")), "da_dswiglu_pp64_c2<256>");
   EXPECT_FALSE(eng::is_built(eng::EngineConfig{Kind::da_dswiglu, Sched::kPingPongStaged, 128, 1}));
+}
+
+// Lean HBM (H100): the rules heuristic.cpp derives from smoe_tune over 41 shapes on the H100
+// (bench/results/h100/heuristic_fit.md), on shapes of those configs.
+TEST(EngineApi, LeanHbmRules) {
+  o = eng::Overrides{};
+  EXPECT_EQ(eng::hbm_gbps_of(2619000, 5120), 3352);  // H100 SXM: 2619 MHz, 5120-bit HBM3
+  EXPECT_EQ(eng::hbm_gbps_of(3201000, 6144), 4917);  // H200: 3201 MHz, 6144-bit HBM3e
+  EXPECT_EQ(eng::hbm_gbps_of(0, 5120), 0);
+  const eng::DeviceFacts h100{132, 3352};
+  auto pick = [&](eng::Epilogue epi, eng::WeightMajor major, int N, int K, int E, int64_t rows) {
+    eng::VarlenMArgs a = good_m();
+    a.epilogue = epi;
+    a.b_major = major;
+    a.N = N;
+    a.K = K;
+    a.num_experts = E;
+    a.rows = rows;
+    const auto c = eng::choose_varlen_m(a, h100, o);
+    return c ? eng::to_string(*c) : std::string("(none)");
+  };
+  using Ep = eng::Epilogue;
+  using W = eng::WeightMajor;
+  // 120B n1024 E128 K8 (262144 rows): the stores (8 / 16 MiB of weights, N 4096) in pairs, the
+  // up-projection cooperative 128 x 256 in pairs (16 MiB), dA' (8 MiB, d 4096) 128 x 128 ping-pong.
+  EXPECT_EQ(pick(Ep::kStore, W::kKN, 4096, 2048, 128, 262144), "dx_store_pp_c2<192>");
+  EXPECT_EQ(pick(Ep::kStore, W::kNK, 4096, 1024, 128, 262144), "down_store_pp_c2<192>");
+  EXPECT_EQ(pick(Ep::kSwiGLU, W::kNK, 2048, 4096, 128, 262144), "up_swiglu_c2<256>");
+  EXPECT_EQ(pick(Ep::kDSwiGLU, W::kKN, 1024, 4096, 128, 262144), "da_dswiglu_pp<128>");
+  // 30B n512: the up-projection's 8 MiB of weights, no pair.
+  EXPECT_EQ(pick(Ep::kSwiGLU, W::kNK, 1024, 4096, 128, 262144), "up_swiglu<256>");
+  // OLMoE-7B: dA' at d = 2048 on the 64 x 256 pairs; dX~ (8 MiB, N 2048) cooperative, not ping-pong.
+  EXPECT_EQ(pick(Ep::kDSwiGLU, W::kKN, 1024, 2048, 64, 262144), "da_dswiglu_pp64_c2<256>");
+  EXPECT_EQ(pick(Ep::kStore, W::kKN, 2048, 2048, 64, 262144), "dx_store<256>");
+  // DeepSeek-V3.2's dA' (28 MiB): 128 x 128 pairs; 7B n256 (d 1536): the 64 x 256 pairs for the up-proj.
+  EXPECT_EQ(pick(Ep::kDSwiGLU, W::kKN, 2048, 7168, 256, 262144), "da_dswiglu_pp_c2<128>");
+  EXPECT_EQ(pick(Ep::kSwiGLU, W::kNK, 512, 1536, 128, 196608), "up_swiglu_pp64_c2<256>");
+  // gpt-oss-20b's dX~ (N 2880, 31.6 MiB) in pairs; its down-proj (15.8 MiB) not.
+  EXPECT_EQ(pick(Ep::kStore, W::kKN, 2880, 5760, 32, 65536), "dx_store_pp_c2<192>");
+  EXPECT_EQ(pick(Ep::kStore, W::kNK, 2880, 2880, 32, 65536), "down_store_pp<192>");
+  // One 64-row tile per expert: no pairs (the second M-tile would be padding).
+  EXPECT_EQ(pick(Ep::kStore, W::kKN, 4096, 3072, 256, 16384), "dx_store<256>");
+  // Short-K stores keep the staged ping-pong (30B n256's down-proj, K = 256).
+  EXPECT_EQ(pick(Ep::kStore, W::kNK, 4096, 256, 256, 524288), "down_store_pps2<192>");
 }
 
 // The tuner's host side: keys, the configuration labels, the cache and its JSON file.
