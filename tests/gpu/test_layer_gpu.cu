@@ -569,8 +569,21 @@ TEST(GpuLayer, BenchConfigsReducedTAgainstFp32Reference) {
       {"120B n1024 E128 K8", 4096, 1024, 128, 8}, {"OLMoE-7B", 2048, 1024, 64, 8},
       {"Qwen3-235B", 4096, 1536, 128, 8},        {"Qwen3-Next-80B", 2048, 512, 512, 10},
       {"DeepSeek-V3.2", 7168, 2048, 256, 8}};
+  int ran = 0;
   for (const Cfg& c : cfgs) {
     const smoe::MoEShape s{256, c.d, c.n, c.E, c.K};
+    // The expert weights dominate at T = 256: W1, W2 and their gradients in bf16 plus the fp32
+    // reference gradients, 3 E n d elements each. DeepSeek-V3.2 needs ~90 GB: it runs on a 141 GB
+    // H200 and is skipped, saying so, on an 80 GB H100 (where the allocation used to abort the binary).
+    const double weights = 3.0 * c.E * c.n * c.d;
+    const double need = weights * (2 * 2 + 4) + (1ull << 30);
+    size_t free_b = 0, total_b = 0;
+    CUDA_OK(cudaMemGetInfo(&free_b, &total_b));
+    if (need > static_cast<double>(free_b)) {
+      std::printf("  %-20s skipped: needs ~%.0f GB, %.0f GB free\n", c.name, need / 1e9, free_b / 1e9);
+      continue;
+    }
+    ++ran;
     const uint64_t seed = fresh_seed();
     SCOPED_TRACE(std::string(c.name) + " seed=" + std::to_string(seed));
     GpuLayer g(s);
@@ -603,6 +616,7 @@ TEST(GpuLayer, BenchConfigsReducedTAgainstFp32Reference) {
     EXPECT_LE(e_wr, kTol);
     EXPECT_LE(e_sc, 1e-5);
   }
+  EXPECT_GE(ran, 10) << "most public configs must fit (only DeepSeek-V3.2 needs more than 80 GB)";
 }
 
 TEST(GpuLayer, DeterministicBitwise) {
