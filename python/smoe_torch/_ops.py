@@ -3,9 +3,11 @@
 Importing this module (smoe_torch does) loads smoe_torch._C, whose TORCH_LIBRARY(smoe) defines the
 schemas and CUDA kernels of torch.ops.smoe.* (csrc/ops.cpp), then registers for each op a fake (meta)
 implementation, so that torch.compile(fullgraph=True) traces through them, and autograd for the three
-forward ops (backward = the matching backward op). The expert-parallel ops (smoe_torch._ep,
-csrc/ep_ops.cpp, built only with NCCL) are loaded and registered by load_ep(), which smoe_torch.ep
-calls when it is imported. Buffer sizes come from _layout.py.
+forward ops (backward = the matching backward op), and defines two small Python ops of MoE.forward
+(saved_expert_frequency, count_tokens_once) that torch.compile could not trace as plain calls. The
+expert-parallel ops (smoe_torch._ep, csrc/ep_ops.cpp, built only with NCCL) are loaded and
+registered by load_ep(), which smoe_torch.ep calls when it is imported. Buffer sizes come from
+_layout.py.
 """
 import torch
 
@@ -121,6 +123,44 @@ def _backward_routed(ctx, dout, _dsaved):
 
 
 torch.library.register_autograd("smoe::moe_forward_routed", _backward_routed, setup_context=_setup_context_routed)
+
+
+# Two small ops of MoE.forward, defined here in Python so that torch.compile(fullgraph=True) traces
+# through them (dynamo skips pybind functions and refuses the autograd-engine query below) while eager
+# computes exactly what it did before.
+
+@torch.library.custom_op("smoe::saved_expert_frequency", mutates_args=())
+def saved_expert_frequency(saved: torch.Tensor, T: int, d: int, n: int, E: int, K: int, router: int,
+                           rounding: int) -> torch.Tensor:
+    """The rows each expert received in a forward (int32 [E]), read from its saved state by
+    _C.saved_expert_frequency (csrc/ops.cpp); a copy, since a custom op may not return a view of its
+    input (4E bytes)."""
+    return _C.saved_expert_frequency(saved, T, d, n, E, K, router, rounding).clone()
+
+
+@saved_expert_frequency.register_fake
+def _saved_expert_frequency_fake(saved, T, d, n, E, K, router, rounding):
+    return saved.new_empty((E,), dtype=torch.int32)
+
+
+def in_backward():
+    """True while the autograd engine runs a backward (where activation checkpointing recomputes)."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
+
+
+@torch.library.custom_op("smoe::count_tokens_once", mutates_args=("tokens_per_expert",))
+def count_tokens_once(tokens_per_expert: torch.Tensor, counts: torch.Tensor) -> None:
+    """tokens_per_expert += counts, except while a backward runs: an activation checkpoint's recompute
+    runs the forward again inside backward, and its tokens were counted by the forward. The check is
+    made when the op runs, so a compiled module recomputed by an eager checkpoint skips it too."""
+    if not in_backward():
+        tokens_per_expert.add_(counts)
+
+
+@count_tokens_once.register_fake
+def _count_tokens_once_fake(tokens_per_expert, counts):
+    return None
 
 
 # Expert parallelism: smoe::ep_forward / smoe::ep_backward take the EP context as an int handle;

@@ -12,9 +12,9 @@ AC makes for its grouped GEMMs:
     y = checkpoint(block, x, use_reentrant=False, context_fn=sc.context_fn())
 
 context_fn(save=...) adds ops to keep (e.g. torch.ops.aten._scaled_dot_product_flash_attention.default).
-The recompute still runs the module's Python code, so routing statistics are guarded by
-smoe_torch.moe._in_backward (counted once). Needs use_reentrant=False (selective checkpointing is
-built on the non-reentrant implementation).
+The recompute still runs the module's Python code (or its compiled graph), so MoE counts its tokens
+through smoe::count_tokens_once (_ops.py), which skips while a backward runs (counted once). Needs
+use_reentrant=False (selective checkpointing is built on the non-reentrant implementation).
 """
 import functools
 

@@ -12,7 +12,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import _C, _layout  # _C: torch.ops.smoe.* (the package's _ops registered their fakes and autograd first)
+from . import _C, _layout  # noqa: F401  (_C: torch.ops.smoe.*; the package's _ops registered their fakes,
+#                               autograd and the Python ops saved_expert_frequency / count_tokens_once first)
 from .packing import GroupedExperts, PackedGateUp  # noqa: F401  (GroupedExperts: the public name stays here)
 
 ops = torch.ops.smoe
@@ -164,12 +165,6 @@ class SharedExperts(PackedGateUp):
         ones = torch.ones(T, 1, dtype=torch.float32, device=x2.device)
         out, _saved = ops.moe_forward_routed(x2, w1, w2, expert, ones, w3)
         return out
-
-
-def _in_backward():
-    """True while the autograd engine runs a backward (where activation checkpointing recomputes)."""
-    task = getattr(torch._C, "_current_graph_task_id", None)
-    return task is not None and task() != -1
 
 
 def _check_module_args(dim, hidden_dim, num_experts, top_k, aux_loss_coef, load_balance_coeff, num_shared_experts):
@@ -324,8 +319,8 @@ class MoE(nn.Module):
                 out = moe_routed(x2, w1, w2, idx, sc, validate=False, w3=w3)
             if self.training and (self.expert_bias is not None or self.aux_loss_coef > 0):
                 counts = torch.bincount(idx.reshape(-1).long(), minlength=self.num_experts).float()
-                if self.expert_bias is not None and not _in_backward():  # a checkpoint's recompute runs in backward
-                    self.tokens_per_expert.add_(counts)
+                if self.expert_bias is not None:  # not again in a checkpoint's recompute (which runs in backward)
+                    ops.count_tokens_once(self.tokens_per_expert, counts)
                 if self.aux_loss_coef > 0:
                     f = counts / max(idx.numel(), 1)
                     self.aux_loss = self.aux_loss_coef * self.num_experts * (f * probs.mean(dim=0)).sum()
@@ -341,8 +336,8 @@ class MoE(nn.Module):
             if self.aux_loss_coef > 0 and self.training:
                 # f from the routing's own counts (no second top-K); P needs the softmax over E.
                 T = x2.shape[0]
-                counts = _C.saved_expert_frequency(saved, T, self.dim, self.hidden_dim, self.num_experts,
-                                                   self.top_k, router, rounding).float()
+                counts = ops.saved_expert_frequency(saved, T, self.dim, self.hidden_dim, self.num_experts,
+                                                    self.top_k, router, rounding).float()
                 f = counts / max(T * self.top_k, 1)
                 probs = router_logits(x2, wr).softmax(dim=-1)
                 self.aux_loss = self.aux_loss_coef * self.num_experts * (f * probs.mean(dim=0)).sum()
