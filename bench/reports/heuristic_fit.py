@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from tuner_report import CAND_RE, CONFIG_RE, KEY_RE  # noqa: E402  (the tune log's one grammar)
 
 DEVICE_RE = re.compile(r"^device: .* hbm_gbps=(\d+)")  # smoe_tune's first line (since 2026-12-06)
+HBM_RE = re.compile(r" hbm_gbps=(\d+)")  # in each key's line too (TuneKey, since 2026-12-06)
 
 MISS = 1.05  # a pick this much slower than the fastest is listed (the tuner's margin)
 
@@ -50,7 +51,7 @@ def parse_log(path):
         if m:
             cur = {"config": cfg, "rows": rows, "kind": m.group(1), "N": int(m.group(2)), "K": int(m.group(3)),
                    "E": int(m.group(4)), "halves": int(m.group(6)), "sms": int(m.group(7)), "cands": {},
-                   "logged": None, "log": path, "hbm_gbps": hbm}
+                   "logged": None, "log": path, "hbm_gbps": int(HBM_RE.search(line).group(1)) if HBM_RE.search(line) else hbm}
             keys.append(cur)
             continue
         m = CAND_RE.match(line)

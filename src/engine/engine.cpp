@@ -32,12 +32,13 @@ namespace {
 template <class Args>
 Status choose(const Args& a, int sm_count, cudaStream_t stream, const Overrides& o, std::optional<EngineConfig>* c,
               std::string* from) {
+  const DeviceFacts dev = device_facts(sm_count);
   if (o.tune && !o.forces()) {
-    const TuneKey key = tune_key(a, sm_count);
+    const TuneKey key = tune_key(a, dev);
     const std::optional<EngineConfig> cached = tuned_choice(key);
     // A cached choice runs only where this call's rules allow it (a stale or hand-edited file, or
     // rules changed since it was written): one of the call's candidates, the set the GPU tests force.
-    if (cached && is_candidate(a, device_facts(sm_count), *cached)) {
+    if (cached && is_candidate(a, dev, *cached)) {
       *from = "tuned";
       *c = cached;
       return Status{};
@@ -61,9 +62,9 @@ Status choose(const Args& a, int sm_count, cudaStream_t stream, const Overrides&
   }
   if (from->empty()) *from = o.forces() ? "override" : "heuristic";
   if constexpr (std::is_same_v<Args, VarlenMArgs>)
-    *c = choose_varlen_m(a, device_facts(sm_count), o);
+    *c = choose_varlen_m(a, dev, o);
   else
-    *c = choose_varlen_k(a, device_facts(sm_count), o);
+    *c = choose_varlen_k(a, dev, o);
   return Status{};
 }
 

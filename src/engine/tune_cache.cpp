@@ -113,17 +113,20 @@ int rows_bucket(int64_t rows, int E) {
 std::string to_string(const TuneKey& k) {
   return std::string(kind_name(k.kind)) + " N=" + std::to_string(k.N) + " K=" + std::to_string(k.K) +
          " E=" + std::to_string(k.E) + " rows_bucket=" + std::to_string(k.rows_bucket) +
-         " halves=" + std::to_string(k.halves) + " sm_count=" + std::to_string(k.sm_count);
+         " halves=" + std::to_string(k.halves) + " sm_count=" + std::to_string(k.sm_count) +
+         " hbm_gbps=" + std::to_string(k.hbm_gbps);
 }
 
-TuneKey tune_key(const VarlenMArgs& a, int sm_count) {
+TuneKey tune_key(const VarlenMArgs& a, const DeviceFacts& dev) {
   const bool two_tensor = a.halves || a.B2 != nullptr;  // dX~ with B2 has no halves flag, another kernel path
-  return TuneKey{kind_of(a), a.N, a.K, a.num_experts, rows_bucket(a.rows, a.num_experts), two_tensor, sm_count};
+  return TuneKey{kind_of(a), a.N, a.K, a.num_experts, rows_bucket(a.rows, a.num_experts), two_tensor,
+                 dev.sm_count, dev.hbm_gbps};
 }
 
-TuneKey tune_key(const VarlenKArgs& a_in, int sm_count) {
+TuneKey tune_key(const VarlenKArgs& a_in, const DeviceFacts& dev) {
   const VarlenKArgs a = as_gather_p(a_in);
-  return TuneKey{kind_of(a_in), a.N, a.M, a.num_experts, rows_bucket(a.rows, a.num_experts), false, sm_count};
+  return TuneKey{kind_of(a_in), a.N, a.M, a.num_experts, rows_bucket(a.rows, a.num_experts), false,
+                 dev.sm_count, dev.hbm_gbps};
 }
 
 std::optional<EngineConfig> parse_config(const std::string& label) {
@@ -159,7 +162,8 @@ std::string TuneCache::to_json() const {
     s += "  {\"kind\": \"" + std::string(kind_name(k.kind)) + "\", \"N\": " + std::to_string(k.N) + ", \"K\": " +
          std::to_string(k.K) + ", \"E\": " + std::to_string(k.E) + ", \"rows_bucket\": " +
          std::to_string(k.rows_bucket) + ", \"halves\": " + (k.halves ? "true" : "false") +
-         ", \"sm_count\": " + std::to_string(k.sm_count) + ", \"config\": \"" + to_string(c) + "\"}";
+         ", \"sm_count\": " + std::to_string(k.sm_count) + ", \"hbm_gbps\": " + std::to_string(k.hbm_gbps) +
+         ", \"config\": \"" + to_string(c) + "\"}";
   }
   for (const auto& [key, obj] : foreign_) {  // after ours, in their own sorted order
     s += first ? "\n" : ",\n";
@@ -177,6 +181,7 @@ std::string entry_text(const Obj& o) {
   for (const char* n : {"N", "K", "E", "rows_bucket"}) s += std::string(", \"") + n + "\": " + std::to_string(o.num.at(n));
   s += std::string(", \"halves\": ") + (o.num.at("halves") ? "true" : "false");
   s += ", \"sm_count\": " + std::to_string(o.num.at("sm_count"));
+  if (o.num.count("hbm_gbps")) s += ", \"hbm_gbps\": " + std::to_string(o.num.at("hbm_gbps"));
   return s + ", \"config\": \"" + o.str.at("config") + "\"}";
 }
 
@@ -194,9 +199,11 @@ bool TuneCache::merge_json(const std::string& json) {
     for (const char* n : nums)
       if (!o.num.count(n) || !fits_int(o.num.at(n))) return false;  // malformed: the whole text is
     if (!o.str.count("kind") || !o.str.count("config")) return false;
+    if (o.num.count("hbm_gbps") && !fits_int(o.num.at("hbm_gbps"))) return false;
     const std::optional<Kind> kind = parse_kind(o.str.at("kind"));
     const std::optional<EngineConfig> c = parse_config(o.str.at("config"));
-    if (!kind || !c || c->kind != *kind || !is_built(*c)) {  // another build's entry: kept, not used
+    // Another build's entry, or one from before the key had the device's bandwidth: kept, not used.
+    if (!kind || !c || c->kind != *kind || !is_built(*c) || !o.num.count("hbm_gbps")) {
       const std::string text = entry_text(o);
       foreign[text] = text;
       continue;
@@ -207,7 +214,8 @@ bool TuneCache::merge_json(const std::string& json) {
               static_cast<int>(o.num.at("E")),
               static_cast<int>(o.num.at("rows_bucket")),
               o.num.at("halves") != 0,
-              static_cast<int>(o.num.at("sm_count"))};
+              static_cast<int>(o.num.at("sm_count")),
+              static_cast<int>(o.num.at("hbm_gbps"))};
     add[k] = *c;
   }
   for (const auto& [k, c] : add) map_[k] = c;

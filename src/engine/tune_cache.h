@@ -18,6 +18,7 @@
 
 #include "engine/args.h"
 #include "engine/config.h"
+#include "engine/heuristic.h"
 
 namespace smoe {
 namespace engine {
@@ -33,18 +34,22 @@ struct TuneKey {
   int rows_bucket = 0;  // floor(log2(max(1, rows / E)))
   bool halves = false;  // two-tensor gate/up: H in halves, or B2 set (dX~ takes K-tiles from w1 and w3)
   int sm_count = 0;
+  // The device's HBM bandwidth (DeviceFacts): the H100 and the H200 both have 132 SMs and measured
+  // other winners on the same shapes (up to 1.9x apart: bench/results/h100/heuristic_fit.md), so a
+  // cache shared by both (one home directory on a mixed cluster) keeps their choices apart.
+  int hbm_gbps = 0;
   bool operator<(const TuneKey& o) const {
-    return std::tie(kind, N, K, E, rows_bucket, halves, sm_count) <
-           std::tie(o.kind, o.N, o.K, o.E, o.rows_bucket, o.halves, o.sm_count);
+    return std::tie(kind, N, K, E, rows_bucket, halves, sm_count, hbm_gbps) <
+           std::tie(o.kind, o.N, o.K, o.E, o.rows_bucket, o.halves, o.sm_count, o.hbm_gbps);
   }
   bool operator==(const TuneKey& o) const { return !(*this < o) && !(o < *this); }
 };
 
 int rows_bucket(int64_t rows, int E);
-// For messages: "up_swiglu N=1024 K=2048 E=8 rows_bucket=6 halves=0 sm_count=132".
+// For messages: "up_swiglu N=1024 K=2048 E=8 rows_bucket=6 halves=0 sm_count=132 hbm_gbps=3352".
 std::string to_string(const TuneKey& k);
-TuneKey tune_key(const VarlenMArgs& a, int sm_count);
-TuneKey tune_key(const VarlenKArgs& a, int sm_count);  // keyed on the transposed form of a Q-gathered call
+TuneKey tune_key(const VarlenMArgs& a, const DeviceFacts& dev);
+TuneKey tune_key(const VarlenKArgs& a, const DeviceFacts& dev);  // keyed on the transposed form of a Q-gathered call
 
 // The inverse of to_string (config.h), for reading the cache file; nullopt for anything else.
 std::optional<EngineConfig> parse_config(const std::string& label);
@@ -59,8 +64,9 @@ class TuneCache {
   std::string to_json() const;
   // Entries of `json` (a to_json text) added; false (and nothing added) when the text does not parse
   // or an entry lacks a field. An entry this build cannot use (a kind or label it does not know, a
-  // configuration it lacks or of another kind: a cache written by another build) is not looked up but
-  // kept, so to_json writes it back and a shared file loses no other build's choices.
+  // configuration it lacks or of another kind: a cache written by another build; or no hbm_gbps: a
+  // file from before the device's bandwidth was part of the key, whose device is unknown) is not
+  // looked up but kept, so to_json writes it back and a shared file loses no other build's choices.
   bool merge_json(const std::string& json);
   size_t foreign_size() const { return foreign_.size(); }
 

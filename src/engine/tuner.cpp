@@ -122,7 +122,7 @@ Capture capture_state(cudaStream_t stream) {
 
 Status tune_varlen_m(const VarlenMArgs& a, int sm_count, cudaStream_t stream, EngineConfig* chosen) {
   TuneRecord r;
-  r.key = tune_key(a, sm_count);
+  r.key = tune_key(a, device_facts(sm_count));
   r.candidates = candidates_varlen_m(a, device_facts(sm_count));
   std::vector<RunVarlenM> fns;
   for (const EngineConfig& c : r.candidates) {
@@ -136,7 +136,7 @@ Status tune_varlen_m(const VarlenMArgs& a, int sm_count, cudaStream_t stream, En
 
 Status tune_varlen_k(const VarlenKArgs& a, int sm_count, cudaStream_t stream, EngineConfig* chosen) {
   TuneRecord r;
-  r.key = tune_key(a, sm_count);
+  r.key = tune_key(a, device_facts(sm_count));
   r.candidates = candidates_varlen_k(a, device_facts(sm_count));
   std::vector<RunVarlenK> fns;
   for (const EngineConfig& c : r.candidates) {

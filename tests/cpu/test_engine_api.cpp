@@ -463,14 +463,16 @@ TEST(EngineTuneCache, KeysBucketRowsAndFollowTheKernelsView) {
   auto a = good_m();
   a.num_experts = 64;
   a.rows = 64 * 600;
-  const eng::TuneKey k1 = eng::tune_key(a, 132);
+  const eng::TuneKey k1 = eng::tune_key(a, eng::DeviceFacts{132, 4917});
   a.rows = 64 * 1000;  // the same power-of-two bucket: the same key
-  EXPECT_TRUE(eng::tune_key(a, 132) == k1);
+  EXPECT_TRUE(eng::tune_key(a, eng::DeviceFacts{132, 4917}) == k1);
   a.rows = 64 * 1100;
-  EXPECT_FALSE(eng::tune_key(a, 132) == k1);
-  EXPECT_FALSE(eng::tune_key(a, 114) == eng::tune_key(a, 132));  // another machine
+  EXPECT_FALSE(eng::tune_key(a, eng::DeviceFacts{132, 4917}) == k1);
+  EXPECT_FALSE(eng::tune_key(a, eng::DeviceFacts{114}) == eng::tune_key(a, eng::DeviceFacts{132}));  // another machine
+  // The H100 and the H200: 132 SMs each, other HBM bandwidth, other winners (heuristic_fit.md).
+  EXPECT_FALSE(eng::tune_key(a, eng::DeviceFacts{132, 3352}) == eng::tune_key(a, eng::DeviceFacts{132, 4917}));
   a.halves = true;
-  EXPECT_FALSE(eng::tune_key(a, 132) == eng::tune_key(good_m(), 132));
+  EXPECT_FALSE(eng::tune_key(a, eng::DeviceFacts{132, 4917}) == eng::tune_key(good_m(), eng::DeviceFacts{132, 4917}));
   // A Q-gathered varlen-K call is keyed as the kernel runs it (transposed).
   eng::VarlenKArgs k;
   k.num_experts = 16;
@@ -478,7 +480,7 @@ TEST(EngineTuneCache, KeysBucketRowsAndFollowTheKernelsView) {
   k.N = 2048;
   k.rows = 16 * 100;
   k.gather_q = fake<const int32_t>(0x60000);
-  const eng::TuneKey kk = eng::tune_key(k, 132);
+  const eng::TuneKey kk = eng::tune_key(k, eng::DeviceFacts{132, 4917});
   EXPECT_EQ(kk.kind, Kind::dw_gather_p_t);
   EXPECT_EQ(kk.N, 512);
   EXPECT_EQ(kk.K, 2048);
@@ -510,7 +512,7 @@ TEST(EngineTuneCache, StoresOnlyFittingBuiltConfigsAndRoundTrips) {
   a.gather_idx = fake<const int32_t>(0x70000);
   a.N = 1024;
   a.K = 2048;
-  const eng::TuneKey up = eng::tune_key(a, 132);
+  const eng::TuneKey up = eng::tune_key(a, eng::DeviceFacts{132, 4917});
   EXPECT_FALSE(c.put(up, cfg("down_store_pp<192>")));  // another kind
   EXPECT_FALSE(c.put(up, eng::EngineConfig{Kind::up_swiglu, Sched::kPingPongStaged, 128, 1}));  // not built
   EXPECT_TRUE(c.put(up, cfg("up_swiglu_pp64_c2<256>")));
@@ -520,11 +522,11 @@ TEST(EngineTuneCache, StoresOnlyFittingBuiltConfigsAndRoundTrips) {
   k.N = 768;
   k.rows = 8000;
   k.gather_p = fake<const int32_t>(0x60000);
-  const eng::TuneKey dw = eng::tune_key(k, 132);
+  const eng::TuneKey dw = eng::tune_key(k, eng::DeviceFacts{132, 4917});
   EXPECT_TRUE(c.put(dw, cfg("dw_gather_p<128>")));
   EXPECT_EQ(c.size(), 2u);
   EXPECT_TRUE(*c.get(up) == cfg("up_swiglu_pp64_c2<256>"));
-  EXPECT_FALSE(c.get(eng::tune_key(good_m(), 132)).has_value());
+  EXPECT_FALSE(c.get(eng::tune_key(good_m(), eng::DeviceFacts{132, 4917})).has_value());
   // The file: the same cache, the same text; read back, the same choices.
   const std::string json = c.to_json();
   eng::TuneCache d;
@@ -550,6 +552,28 @@ TEST(EngineTuneCache, StoresOnlyFittingBuiltConfigsAndRoundTrips) {
                            "\"halves\": false, \"sm_count\": 132, \"config\": \"up_swiglu_pps<128>\"}]"));
   EXPECT_EQ(e.size(), 0u);  // parsed, but no such instance here
   EXPECT_EQ(e.foreign_size(), 2u);
+  // A file from before the key had the device's bandwidth: its entries are kept (written back as they
+  // were) but not used, since the device they were measured on is unknown.
+  const std::string old_entry = "{\"kind\": \"up_swiglu\", \"N\": 1024, \"K\": 2048, \"E\": 8, \"rows_bucket\": 6, "
+                                "\"halves\": false, \"sm_count\": 132, \"config\": \"up_swiglu<256>\"}";
+  eng::TuneCache f;
+  EXPECT_TRUE(f.merge_json("[" + old_entry + "]"));
+  EXPECT_EQ(f.size(), 0u);
+  EXPECT_EQ(f.foreign_size(), 1u);
+  EXPECT_NE(f.to_json().find(old_entry), std::string::npos) << f.to_json();
+  EXPECT_FALSE(f.merge_json("[{\"kind\": \"up_swiglu\", \"N\": 1024, \"K\": 2048, \"E\": 8, \"rows_bucket\": 6, "
+                            "\"halves\": false, \"sm_count\": 132, \"hbm_gbps\": -1, \"config\": \"up_swiglu<256>\"}]"));
+  // With it, the entry is used under exactly that device's key.
+  EXPECT_TRUE(f.merge_json("[{\"kind\": \"up_swiglu\", \"N\": 1024, \"K\": 2048, \"E\": 8, \"rows_bucket\": 6, "
+                           "\"halves\": false, \"sm_count\": 132, \"hbm_gbps\": 3352, \"config\": \"up_swiglu<256>\"}]"));
+  EXPECT_EQ(f.size(), 1u);
+  auto b = good_m();
+  b.epilogue = eng::Epilogue::kSwiGLU;
+  b.N = 1024;
+  b.K = 2048;
+  b.rows = 8 * 64;  // rows_bucket 6
+  EXPECT_TRUE(f.get(eng::tune_key(b, eng::DeviceFacts{132, 3352})).has_value());
+  EXPECT_FALSE(f.get(eng::tune_key(b, eng::DeviceFacts{132, 4917})).has_value());
 }
 
 TEST(EngineTuneCache, PathAndSwitches) {

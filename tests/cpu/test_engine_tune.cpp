@@ -296,10 +296,10 @@ TEST(EngineTune, OutputsOverlappingInputsAreNotMeasured) {
 // The key of a two-tensor dX~ (B2 set, no halves flag: another kernel path) is not the interleaved one.
 TEST(EngineTune, TwoTensorDxHasItsOwnKey) {
   auto dx = m_call(Kind::dx_store, 1024, 512, 8, 1000);
-  const eng::TuneKey interleaved = eng::tune_key(dx, kSms);
+  const eng::TuneKey interleaved = eng::tune_key(dx, eng::device_facts(kSms));
   dx.B2 = fake<const smoe::bf16>(0x800000000);
-  EXPECT_FALSE(eng::tune_key(dx, kSms) == interleaved);
-  EXPECT_TRUE(eng::tune_key(dx, kSms).halves);
+  EXPECT_FALSE(eng::tune_key(dx, eng::device_facts(kSms)) == interleaved);
+  EXPECT_TRUE(eng::tune_key(dx, eng::device_facts(kSms)).halves);
 }
 
 // A stored winner is what the next call picks (choose_config, the entry points' path), the file
@@ -314,7 +314,7 @@ TEST(EngineTune, AStoredChoiceIsWhatTheNextCallPicks) {
   EXPECT_EQ(eng::tune_store_path(), path);
 
   const auto a = m_call(Kind::down_store, 4096, 512, 128, 32768 * 8);
-  const auto cs = eng::candidates_varlen_m(a, eng::DeviceFacts{kSms});
+  const auto cs = eng::candidates_varlen_m(a, eng::device_facts(kSms));
   ASSERT_GE(cs.size(), 3u);
   eng::Choice before;
   ASSERT_TRUE(eng::choose_config(a, kSms, nullptr, &before).ok());
@@ -322,7 +322,7 @@ TEST(EngineTune, AStoredChoiceIsWhatTheNextCallPicks) {
   ASSERT_TRUE(before.config.has_value());
   EXPECT_TRUE(*before.config == cs[0]);
 
-  const eng::TuneKey key = eng::tune_key(a, kSms);
+  const eng::TuneKey key = eng::tune_key(a, eng::device_facts(kSms));
   EXPECT_TRUE(eng::store_tuned(key, cs[2]) == cs[2]);
   EXPECT_TRUE(eng::store_tuned(key, cs[1]) == cs[2]) << "the first winner of a key stays";
   eng::Choice after;
@@ -333,7 +333,7 @@ TEST(EngineTune, AStoredChoiceIsWhatTheNextCallPicks) {
   auto b = a;
   b.rows = a.rows + 1000;
   b.a_rows = b.rows;
-  ASSERT_TRUE(eng::tune_key(b, kSms) == key);
+  ASSERT_TRUE(eng::tune_key(b, eng::device_facts(kSms)) == key);
   eng::Choice same;
   ASSERT_TRUE(eng::choose_config(b, kSms, nullptr, &same).ok());
   EXPECT_TRUE(*same.config == cs[2]);
@@ -376,7 +376,7 @@ TEST(EngineTune, AStoredChoiceIsWhatTheNextCallPicks) {
     eng::Choice guarded;
     ASSERT_TRUE(eng::choose_config(unseen, kSms, nullptr, &guarded).ok());
     EXPECT_EQ(guarded.from, "heuristic; capturing: not measured");
-    EXPECT_FALSE(eng::tuned_choice(eng::tune_key(unseen, kSms)).has_value());
+    EXPECT_FALSE(eng::tuned_choice(eng::tune_key(unseen, eng::device_facts(kSms))).has_value());
     unsetenv("SMOE_ENGINE_TUNE");
   }
   eng::reload_overrides_from_env();
@@ -412,9 +412,9 @@ TEST(EngineTune, TheCacheFileKeepsOtherBuildsAndOtherProcessesEntries) {
   eng::reload_overrides_from_env();
   eng::reload_tune_store_from_env();
   const auto a = m_call(Kind::down_store, 4096, 512, 128, 32768 * 8);
-  const auto cs = eng::candidates_varlen_m(a, eng::DeviceFacts{kSms});
+  const auto cs = eng::candidates_varlen_m(a, eng::device_facts(kSms));
   ASSERT_GE(cs.size(), 2u);
-  const eng::TuneKey key = eng::tune_key(a, kSms);
+  const eng::TuneKey key = eng::tune_key(a, eng::device_facts(kSms));
   EXPECT_FALSE(eng::tuned_choice(key).has_value());
   EXPECT_TRUE(eng::store_tuned(key, cs[1]) == cs[1]);
   const std::string after = slurp();
@@ -482,13 +482,13 @@ TEST(EngineTune, ACachedChoiceThatDoesNotFitTheCallIsNotRun) {
   const auto a = m_call(Kind::down_store, 640, 512, 128, 32768 * 8);  // N = 640: no BN 256 here
   const eng::EngineConfig wide{Kind::down_store, eng::Sched::kCoop, 256, 1};
   ASSERT_TRUE(eng::is_built(wide));
-  for (const auto& c : eng::candidates_varlen_m(a, eng::DeviceFacts{kSms})) ASSERT_FALSE(c == wide);
-  EXPECT_TRUE(eng::store_tuned(eng::tune_key(a, kSms), wide) == wide);  // as a stale file would hold
+  for (const auto& c : eng::candidates_varlen_m(a, eng::device_facts(kSms))) ASSERT_FALSE(c == wide);
+  EXPECT_TRUE(eng::store_tuned(eng::tune_key(a, eng::device_facts(kSms)), wide) == wide);  // as a stale file would hold
   eng::Choice ch;
   ASSERT_TRUE(eng::choose_config(a, kSms, nullptr, &ch).ok());
   ASSERT_TRUE(ch.config.has_value());
   EXPECT_FALSE(*ch.config == wide);
-  EXPECT_TRUE(*ch.config == eng::candidates_varlen_m(a, eng::DeviceFacts{kSms})[0]);  // the heuristic's
+  EXPECT_TRUE(*ch.config == eng::candidates_varlen_m(a, eng::device_facts(kSms))[0]);  // the heuristic's
   EXPECT_EQ(ch.from, "heuristic; the cached down_store<256> does not fit this call");
   // A call that breaks the rules is refused by choose_config itself.
   auto bad = a;

@@ -166,8 +166,8 @@ TEST(GpuTuner, MeasuresOnceThenTheCacheGivesTheSameBits) {
 
   // The file holds both keys for the next process.
   eng::reload_tune_store_from_env();
-  EXPECT_TRUE(eng::tuned_choice(eng::tune_key(m, sms)).has_value());
-  EXPECT_TRUE(eng::tuned_choice(eng::tune_key(k, sms)).has_value());
+  EXPECT_TRUE(eng::tuned_choice(eng::tune_key(m, eng::device_facts(sms))).has_value());
+  EXPECT_TRUE(eng::tuned_choice(eng::tune_key(k, eng::device_facts(sms))).has_value());
 
   // Inside capture an unseen key (fewer rows: another bucket) runs the heuristic, unmeasured.
   eng::VarlenMArgs small = m;
@@ -176,7 +176,7 @@ TEST(GpuTuner, MeasuresOnceThenTheCacheGivesTheSameBits) {
   DeviceBuffer<int32_t> d_off_small;
   upload_new(&d_off_small, off_small);
   small.expert_offset = d_off_small.get();
-  ASSERT_FALSE(eng::tune_key(small, sms) == eng::tune_key(m, sms));
+  ASSERT_FALSE(eng::tune_key(small, eng::device_facts(sms)) == eng::tune_key(m, eng::device_facts(sms)));
   cudaStream_t cap;
   CUDA_OK(cudaStreamCreate(&cap));
   CUDA_OK(cudaStreamBeginCapture(cap, cudaStreamCaptureModeThreadLocal));
@@ -189,7 +189,7 @@ TEST(GpuTuner, MeasuresOnceThenTheCacheGivesTheSameBits) {
   EXPECT_TRUE(ran);
   EXPECT_EQ(in_capture.from, "heuristic; capturing: not measured");
   EXPECT_EQ(g_records.size(), 2u);
-  EXPECT_FALSE(eng::tuned_choice(eng::tune_key(small, sms)).has_value());
+  EXPECT_FALSE(eng::tuned_choice(eng::tune_key(small, eng::device_facts(sms))).has_value());
   if (graph) CUDA_OK(cudaGraphDestroy(graph));
   CUDA_OK(cudaStreamDestroy(cap));
   CUDA_OK(cudaStreamDestroy(st));

@@ -41,6 +41,16 @@ def write_log(tmp_path):
     return str(p)
 
 
+def test_device_bandwidth_from_the_device_line_or_the_key(tmp_path):
+    p = tmp_path / "d.tune.log"
+    p.write_text("device: NVIDIA H100 80GB HBM3 sm_count=132 hbm_gbps=3352\n" + LOG.replace(
+        "rows_bucket=11 halves=0 sm_count=132\n    * dw_gather_p_t", "rows_bucket=11 halves=0 sm_count=132 hbm_gbps=4917\n"
+        "    * dw_gather_p_t"))
+    keys = fit.parse_log(str(p))
+    assert [k["hbm_gbps"] for k in keys] == [3352, 3352, 4917]
+    assert [k["hbm_gbps"] for k in fit.parse_log(write_log(tmp_path))] == [0, 0, 0]
+
+
 def test_parse_log_rows_candidates_and_logged_pick(tmp_path):
     keys = fit.parse_log(write_log(tmp_path))
     assert [k["kind"] for k in keys] == ["up_swiglu", "down_store", "dw_gather_p_t"]
@@ -75,9 +85,19 @@ def test_binary_answers_every_key_with_a_label_of_its_kind(tmp_path):
 
 
 @need_bin
+def test_binary_takes_the_lean_rules_below_4_tbs():
+    line = "dx_store N=4096 K=2048 E=128 rows=262144 halves=0 sm_count=132"  # 120B's dX~
+    out = subprocess.run([BIN], input=f"{line}\n{line} hbm_gbps=3352\n{line} hbm_gbps=4917\n",
+                         capture_output=True, text=True, check=True).stdout.splitlines()
+    assert out == ["dx_store_pp<192>", "dx_store_pp_c2<192>", "dx_store_pp<192>"]
+
+
+@need_bin
 def test_binary_rejects_bad_lines_by_name():
-    out = subprocess.run([BIN], input="nope N=1\nup_swiglu N=512 K=768\nup_swiglu N=0 K=1 E=1 rows=1 halves=0 sm_count=1\n",
+    out = subprocess.run([BIN], input="nope N=1\nup_swiglu N=512 K=768\nup_swiglu N=0 K=1 E=1 rows=1 halves=0 sm_count=1\n"
+                         "up_swiglu N=512 K=768 E=8 rows=64 halves=0 sm_count=132 extra=1\n",
                          capture_output=True, text=True, check=True).stdout.splitlines()
     assert out[0] == "error: unknown kind nope"
     assert out[1].startswith("error: expected")
     assert out[2].startswith("error: N, K, E")
+    assert out[3].startswith("error: after sm_count")
