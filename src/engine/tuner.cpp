@@ -47,7 +47,12 @@ struct Events {
   }
 };
 
-// The measuring loop of tuner.h over `run(candidate index)`; fills r->median_ms and r->reps.
+// The measuring loop of tuner.h over `run(candidate index)`; fills r->median_ms and r->reps. A
+// candidate whose launch fails in the warm-up round (an error returned before anything runs, e.g. a
+// 2-CTA cluster that cannot be co-scheduled under MPS or a restricted SM budget) is dropped: its
+// error is cleared, its median is +inf (pick_winner skips it), and the key is still decided among
+// the rest, so one unrunnable candidate neither fails the caller's call nor every later one. An
+// error the device reports afterwards (a fault, sticky) still fails the call.
 template <class Run>
 Status measure(const Run& run, cudaStream_t stream, TuneRecord* r) {
   using Clock = std::chrono::steady_clock;
@@ -56,17 +61,28 @@ Status measure(const Run& run, cudaStream_t stream, TuneRecord* r) {
   Events e;
   SMOE_RETURN_IF_ERROR(e.create(2 * n));
   std::vector<std::vector<float>> times(n);
-  // One round: every candidate once, starting at `first` (the order rotates with the round).
-  auto round = [&](size_t first, bool timed) -> Status {
+  std::vector<char> dropped(n, 0);
+  Status first_failure;
+  // One round: every live candidate once, starting at `first` (the order rotates with the round).
+  auto round = [&](size_t first, bool timed, bool warm_up) -> Status {
     for (size_t j = 0; j < n; ++j) {
       const size_t c = (first + j) % n;
+      if (dropped[c]) continue;
       SMOE_CUDA_RETURN(cudaEventRecord(e.ev[2 * c], stream));
-      SMOE_RETURN_IF_ERROR(run(c));
+      const Status st = run(c);
+      if (!st.ok()) {
+        if (!warm_up) return st;  // it launched before: not a launch-time refusal
+        (void)cudaGetLastError();  // the refused launch's error, so the next check does not see it
+        dropped[c] = 1;
+        if (first_failure.ok()) first_failure = st;
+        continue;
+      }
       SMOE_CUDA_RETURN(cudaEventRecord(e.ev[2 * c + 1], stream));
     }
-    SMOE_CUDA_RETURN(cudaEventSynchronize(e.ev[2 * ((first + n - 1) % n) + 1]));
+    SMOE_CUDA_RETURN(cudaStreamSynchronize(stream));
     if (!timed) return Status{};
     for (size_t c = 0; c < n; ++c) {
+      if (dropped[c]) continue;
       float ms = 0;
       SMOE_CUDA_RETURN(cudaEventElapsedTime(&ms, e.ev[2 * c], e.ev[2 * c + 1]));
       times[c].push_back(ms);
@@ -74,14 +90,19 @@ Status measure(const Run& run, cudaStream_t stream, TuneRecord* r) {
     return Status{};
   };
   auto since_ms = [&] { return std::chrono::duration<double, std::milli>(Clock::now() - t0).count(); };
-  SMOE_RETURN_IF_ERROR(round(0, false));  // warm-up: first launches, occupancy queries, TMA descriptors
-  SMOE_RETURN_IF_ERROR(round(0, true));
+  SMOE_RETURN_IF_ERROR(round(0, false, true));  // warm-up: first launches, occupancy queries, TMA descriptors
+  size_t live = 0;
+  for (size_t c = 0; c < n; ++c) live += !dropped[c];
+  if (live == 0) return first_failure;  // nothing runs this call: the first candidate's reason
+  SMOE_RETURN_IF_ERROR(round(0, true, false));
   double round_ms = 0;
-  for (size_t c = 0; c < n; ++c) round_ms += times[c][0];
+  for (size_t c = 0; c < n; ++c)
+    if (!dropped[c]) round_ms += times[c][0];
   r->reps = tune_reps(kTuneBudgetMs, since_ms(), round_ms);
-  for (int k = 1; k < r->reps; ++k) SMOE_RETURN_IF_ERROR(round(static_cast<size_t>(k) % n, true));
+  for (int k = 1; k < r->reps; ++k) SMOE_RETURN_IF_ERROR(round(static_cast<size_t>(k) % n, true, false));
   r->median_ms.clear();
-  for (size_t c = 0; c < n; ++c) r->median_ms.push_back(median_ms(times[c]));
+  for (size_t c = 0; c < n; ++c)  // a dropped candidate has no times: +inf
+    r->median_ms.push_back(median_ms(times[c]));
   r->wall_ms = since_ms();
   return Status{};
 }

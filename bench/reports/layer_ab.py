@@ -1,0 +1,96 @@
+#!/usr/bin/env python3
+"""A same-call layer A/B of two builds from bench_layer JSONs, into one JSON and a markdown table.
+
+  python3 bench/reports/layer_ab.py --a old=old_configs_1.json,old_configs_2.json,... \
+      --b new=new_configs_1.json,new_configs_2.json,... --commit <a>..<b> --device "NVIDIA H100" \
+      --command "<how it ran>" --out ab.json --md ab.md
+
+The passes of each side ran interleaved in one device call (a, b, a, b). Per config and side the
+lowest of its passes' fwd+bwd medians is kept, so one slow pass moves nothing, and every pass's own
+ratio is listed too. The weight-gradient stages (dW1 + dW2, varlen-K) are reported beside it: where
+the two builds run the same dW kernels, their ratio is this A/B's noise (on the H100 whole passes
+moved by up to 10% with the GPU's clock).
+"""
+
+import argparse
+import json
+import math
+
+
+def load(paths):
+    """[{name: (fwd+bwd ms, kernels)}] per pass."""
+    out = []
+    for p in paths:
+        runs = {}
+        for r in json.load(open(p))["results"]:
+            s = r["systems"]["ours"]
+            runs[r["config"]["name"]] = (s["fwd_ms"] + s["bwd_ms"], r["kernels"])
+        out.append(runs)
+    return out
+
+
+def side(arg):
+    name, paths = arg.split("=", 1)
+    return name, load([p for p in paths.split(",") if p])
+
+
+def geomean(v):
+    return math.exp(sum(math.log(x) for x in v) / len(v)) if v else None
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--a", required=True, help="name=pass1.json,pass2.json,... (the baseline)")
+    ap.add_argument("--b", required=True, help="name=pass1.json,pass2.json,... (the change)")
+    ap.add_argument("--commit", default="")
+    ap.add_argument("--device", default="")
+    ap.add_argument("--command", default="")
+    ap.add_argument("--out")
+    ap.add_argument("--md")
+    args = ap.parse_args()
+    (na, pa), (nb, pb) = side(args.a), side(args.b)
+    rows = []
+    for name in pa[0]:
+        if not all(name in p for p in pa + pb):
+            continue
+        ta = min(p[name][0] for p in pa)
+        tb = min(p[name][0] for p in pb)
+        passes = [a[name][0] / b[name][0] for a, b in zip(pa, pb)]
+        stages = {}
+        for k in pa[0][name][1]:
+            va = min(p[name][1].get(k, math.inf) for p in pa)
+            vb = min(p[name][1].get(k, math.inf) for p in pb)
+            if math.isfinite(va) and math.isfinite(vb) and vb > 0:
+                stages[k.replace("_ms", "")] = {na: va, nb: vb}
+        dw = lambda s: sum(stages.get(k, {}).get(s, 0.0) for k in ("bwd.dW1", "bwd.dW2"))  # noqa: E731
+        rows.append({"config": name, na + "_ms": ta, nb + "_ms": tb, "speedup": ta / tb, "per_pass": passes,
+                     "dw_ratio": dw(na) / dw(nb) if dw(nb) > 0 else None, "stages": stages})
+    speed = [r["speedup"] for r in rows]
+    summary = {"configs": len(rows), "geomean": geomean(speed), "min": min(speed, default=None),
+               "max": max(speed, default=None), "dw_geomean": geomean([r["dw_ratio"] for r in rows if r["dw_ratio"]])}
+    doc = {"commit": args.commit, "device": args.device, "command": args.command, "a": na, "b": nb,
+           "summary": summary, "rows": rows}
+    if args.out:
+        json.dump(doc, open(args.out, "w"), indent=1)
+    md = [f"# Layer A/B: {na} vs {nb} ({args.commit}, {args.device})", "",
+          f"fwd+bwd ms, the lowest of {len(pa)} interleaved passes per side; speedup = {na} / {nb}. "
+          f"`dW` = the dW1 + dW2 stages' ratio (varlen-K: the noise where both run the same kernels). "
+          f"Stages listed where >= 0.3 ms and moved by more than 4%.", "",
+          f"Geomean speedup {summary['geomean']:.3f} over {summary['configs']} configs "
+          f"(min {summary['min']:.3f}, max {summary['max']:.3f}); dW geomean {summary['dw_geomean']:.3f}.", "",
+          f"| config | {na} ms | {nb} ms | speedup | per pass | dW | stages moved |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        moved = " ".join(f"{k} x{v[na] / v[nb]:.2f}" for k, v in r["stages"].items()
+                         if v[na] >= 0.3 and v[nb] > 0 and abs(v[na] / v[nb] - 1) > 0.04)
+        dwr = f"{r['dw_ratio']:.3f}" if r["dw_ratio"] else "-"
+        md.append(f"| {r['config']} | {r[na + '_ms']:.3f} | {r[nb + '_ms']:.3f} | {r['speedup']:.3f} | "
+                  f"{' / '.join(f'{x:.3f}' for x in r['per_pass'])} | {dwr} | {moved or '-'} |")
+    text = "\n".join(md) + "\n"
+    if args.md:
+        open(args.md, "w").write(text)
+    else:
+        print(text)
+
+
+if __name__ == "__main__":
+    main()
