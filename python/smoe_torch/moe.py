@@ -217,6 +217,11 @@ class MoE(nn.Module):
             through smoe_torch.ep.ep_moe. Every rank calls forward/backward in the same order. The
             router's gradient is per rank: all-reduce it over the group (DDP / FSDP does); the experts'
             gradients are local and must not be averaged over the EP group.
+        ep_mesh: with ep_group, a 1-D DeviceMesh over the same ranks (in the same order): the experts
+            are then DTensors of global shape [E, ...], Shard(0) (GroupedExperts), so DCP saves and
+            loads every expert ([E, ...], at any EP size or in one process) and
+            smoe_torch.ep_a2a.clip_grad_norm_ clips over all experts' gradients (torch's sees only a
+            plain Parameter's local shard, and raises on a mix of plain and DTensor gradients).
         aux_loss_coef: if > 0, `self.aux_loss` holds coef * E * sum_e f_e P_e after each forward
             (f_e: fraction of routed rows at expert e, P_e: mean router probability), the
             Switch-Transformer load-balancing loss. With torch routing f comes from the routing
@@ -227,7 +232,7 @@ class MoE(nn.Module):
     def __init__(self, dim, hidden_dim, num_experts, top_k, aux_loss_coef=0.0, score_func="softmax",
                  route_norm=True, route_scale=1.0, num_expert_groups=None, num_limited_groups=None,
                  load_balance_coeff=None, token_rounding=None, bf16_logits=False, rounding_seed=0,
-                 num_shared_experts=0, ep_group=None, dp_group=None, pack_gate_up=False):
+                 num_shared_experts=0, ep_group=None, dp_group=None, pack_gate_up=False, ep_mesh=None):
         super().__init__()
         _check_module_args(dim, hidden_dim, num_experts, top_k, aux_loss_coef, load_balance_coeff, num_shared_experts)
         if token_rounding not in (None, "nr", "up", "down", "sr"):
@@ -239,11 +244,20 @@ class MoE(nn.Module):
                                  f"the module has {(num_experts, dim, hidden_dim, top_k)}")
             if token_rounding is not None:
                 raise ValueError("token_rounding is not available with ep_group (the EP layer takes the router's choice)")
+        if ep_mesh is not None:
+            if ep_group is None:
+                raise ValueError("ep_mesh needs ep_group (the mesh places the EP group's experts)")
+            if ep_mesh.ndim != 1 or ep_mesh.size() != ep_group.world:
+                raise ValueError(f"ep_mesh must be 1-D over the ep_group's {ep_group.world} ranks (got shape "
+                                 f"{tuple(ep_mesh.shape)})")
+            if ep_mesh.get_local_rank() != ep_group.rank:
+                raise ValueError(f"ep_mesh puts this process at {ep_mesh.get_local_rank()}, ep_group at {ep_group.rank}: "
+                                 f"the mesh must list the group's ranks in its order")
         self.dim, self.hidden_dim, self.num_experts, self.top_k = dim, hidden_dim, num_experts, top_k
         self.router = TokenChoiceTopKRouter(dim, num_experts, top_k, score_func, route_norm, route_scale,
                                             num_expert_groups, num_limited_groups)
         self.experts = GroupedExperts(dim, hidden_dim, num_experts if ep_group is None else ep_group.experts_per_rank,
-                                      pack_gate_up)
+                                      pack_gate_up, mesh=ep_mesh)
         self.aux_loss_coef = aux_loss_coef
         self.aux_loss = None
         if token_rounding is not None and (not self.router.fused() or bf16_logits):
@@ -307,7 +321,7 @@ class MoE(nn.Module):
             w1, w3 = self.experts.interleaved_w1(torch.bfloat16), None
         else:
             w1, w3 = self.experts.gate_up_operands(torch.bfloat16)
-        w2 = self.experts.w2.to(torch.bfloat16)
+        w2 = self.experts.w2_operand(torch.bfloat16)
         torch_routing = (not self.router.fused() or self.bf16_logits or self.expert_bias is not None
                          or self.ep_group is not None)
         if torch_routing:

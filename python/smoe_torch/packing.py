@@ -156,21 +156,56 @@ class GroupedExperts(PackedGateUp):
     """torchtitan's GroupedExperts parameters: w1 (gate) [E, n, d], w2 [E, d, n], w3 (up) [E, n, d];
     names, shapes and state-dict keys are torchtitan's. pack_gate_up=True: w1 and w3 are views of one
     [E, n, 2, d] storage (see above), so the kernels read bf16 ones with no per-step copy (not with a
-    fused optimizer)."""
+    fused optimizer).
 
-    def __init__(self, dim, hidden_dim, num_experts, pack_gate_up=False):
+    mesh (a 1-D DeviceMesh over an expert-parallel group; num_experts is then this rank's count):
+    the three parameters are DTensors of global shape [R * num_experts, ...], Shard(0) on the mesh,
+    whose local shard is this rank's experts. DCP then saves and loads [E, ...] (at any EP size, or in
+    one process), and a DTensor-aware clip (smoe_torch.ep_a2a.clip_grad_norm_) sees every expert's
+    gradient. The kernels get the local shards (`_local`: differentiable, the gradient comes back as a
+    Shard(0) DTensor). Not with pack_gate_up (a shard's storage is not ours to re-seat)."""
+
+    def __init__(self, dim, hidden_dim, num_experts, pack_gate_up=False, mesh=None):
         super().__init__()
+        if mesh is not None:
+            if mesh.ndim != 1:
+                raise ValueError(f"GroupedExperts: mesh must be 1-D (the expert-parallel group), got {mesh.ndim} dims")
+            if pack_gate_up:
+                raise ValueError("GroupedExperts: pack_gate_up is not available with a mesh (DTensor shards stay dense)")
         self.num_experts = num_experts
         self.pack_gate_up = bool(pack_gate_up)
-        self.w1 = torch.nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
-        self.w2 = torch.nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
-        self.w3 = torch.nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.mesh = mesh
+
+        def param(*shape):
+            if mesh is None:
+                return torch.nn.Parameter(torch.empty(num_experts, *shape))
+            from torch.distributed.tensor import DTensor, Shard  # noqa: PLC0415  (only with a mesh)
+            # Even shards, so from_local infers the global shape; run_check=False: no collective.
+            local = torch.empty(num_experts, *shape, device=mesh.device_type)
+            return torch.nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)], run_check=False))
+
+        self.w1 = param(hidden_dim, dim)
+        self.w2 = param(dim, hidden_dim)
+        self.w3 = param(hidden_dim, dim)
         self._repack()
         self._register_repack_hook()
 
+    mesh = None  # a class default, so modules pickled before the mesh existed still load
+
+    def _local(self, w):
+        """This rank's experts of w (the tensor itself without a mesh)."""
+        return w.to_local() if self.mesh is not None else w
+
     def _gate_up(self):
-        return self.w1, self.w3
+        return self._local(self.w1), self._local(self.w3)
+
+    def w2_operand(self, dtype):
+        """The kernels' [E_local, d, n] second projection in dtype."""
+        return self._local(self.w2).to(dtype)
 
     def init_weights(self, std=0.02):
-        for w in (self.w1, self.w2, self.w3):
-            torch.nn.init.trunc_normal_(w, mean=0.0, std=std)
+        # With a mesh, the local shard itself (a DTensor init draws from DTensor's own RNG offsets), so
+        # a rank's experts get the values the plain module gets from the same torch seed.
+        with torch.no_grad():
+            for w in (self.w1, self.w2, self.w3):
+                torch.nn.init.trunc_normal_(self._local(w), mean=0.0, std=std)
