@@ -185,7 +185,7 @@ void run_m_once(const MCase& c, const char* variant) {
   a.scores = d_s->get();
   a.scatter = d_sc->get();
   a.ds_partial = dsp.get();
-  const auto ch = eng::choose_varlen_m(a, eng::DeviceFacts{sms()}, eng::overrides());
+  const auto ch = eng::choose_varlen_m(a, eng::device_facts(sms()), eng::overrides());
   if (c.expect_bn && eng::overrides().sched == eng::ForcedSched::kNone && ch) EXPECT_EQ(ch->bn, c.expect_bn);
   ASSERT_EQ(ch ? eng::to_string(*ch) : std::string("(none)"), variant) << "the forced instantiation was not chosen";
 
@@ -314,7 +314,7 @@ void run_m(const MCase& c) {
     a.b_major = c.major;
     a.epilogue = c.epi;
     return a;
-  }(), eng::DeviceFacts{sms()}, eng::overrides());
+  }(), eng::device_facts(sms()), eng::overrides());
   ASSERT_TRUE(pick.has_value());
   run_m_once(c, eng::to_string(*pick).c_str());
 }
@@ -362,7 +362,7 @@ void run_k(const KCase& c) {
   a.ld_q = ld_q;
   a.gather_q = c.gather_q ? d_gq->get() : nullptr;
   a.D = D.get();
-  const auto ck = eng::choose_varlen_k(a, eng::DeviceFacts{sms()}, eng::overrides());
+  const auto ck = eng::choose_varlen_k(a, eng::device_facts(sms()), eng::overrides());
   ASSERT_TRUE(ck.has_value());
   if (c.expect_bn) EXPECT_EQ(ck->bn, c.expect_bn);
   if (c.expect_cluster) EXPECT_EQ(ck->cluster, c.expect_cluster);
@@ -482,8 +482,8 @@ void run_gate_up_once(const std::vector<int>& counts, int n, int d, const char* 
   uph.D = Hh.get();
   uph.D2 = Ah.get();
   // The same instantiation as the interleaved run: with a cluster, the halves multicast too.
-  const eng::EngineConfig ch = *eng::choose_varlen_m(uph, eng::DeviceFacts{sms()}, eng::overrides()),
-                          chi = *eng::choose_varlen_m(up, eng::DeviceFacts{sms()}, eng::overrides());
+  const eng::EngineConfig ch = *eng::choose_varlen_m(uph, eng::device_facts(sms()), eng::overrides()),
+                          chi = *eng::choose_varlen_m(up, eng::device_facts(sms()), eng::overrides());
   EXPECT_EQ(ch.cluster, chi.cluster) << eng::to_string(ch) << " vs " << eng::to_string(chi);
   EXPECT_EQ(ch.bn, chi.bn) << eng::to_string(ch) << " vs " << eng::to_string(chi);
   st = eng::varlen_m(uph, sms(), 0);
