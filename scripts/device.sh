@@ -31,7 +31,9 @@
 #             bench_layer with the heuristic (SMOE_ENGINE_TUNE=0) and with that cache
 #             (BENCH_WARMUP 3, BENCH_REPS 10, TUNE_TIMEOUT 300 s a command), then
 #             bench/reports/tuner_report.py -> $OUT/tune/tuner.{json,md} and
-#             bench/reports/memory_stages.py -> $OUT/tune/memory_stages.md (bench/results/h200/)
+#             bench/reports/memory_stages.py -> $OUT/tune/memory_stages.md (bench/results/h200/), and
+#             bench/reports/heuristic_fit.py -> $OUT/tune/heuristic_fit.md (this build's heuristic against
+#             every key's measured candidates; bench/results/h100/)
 #   ncu       Nsight Compute on one forward + backward of bench_layer per config of NCU_CONFIGS
 #             (OLMoE-7B): SpeedOfLight, WarpStateStats, Occupancy; bench/reports/ncu_summary.py
 #             makes one line per kernel. NCU_TIMEOUT (240 s), NCU_ENV (VAR=value words for the
@@ -351,6 +353,11 @@ step_tune() {
   if ! dry; then
     # shellcheck disable=SC2046  # the heuristic passes' JSONs, one word each
     x -o "$d/memory_stages.md" python3 bench/reports/memory_stages.py $(ls "$d"/*.heur_*.json 2>/dev/null) || rc=1
+    # This build's heuristic scored against every key's measured candidates (the logs carry the device's
+    # bandwidth): what a rule change in heuristic.cpp is judged by, also later on the CPU.
+    # shellcheck disable=SC2046
+    x python3 bench/reports/heuristic_fit.py --bin "$BUILD/smoe_heuristic" $(ls "$d"/*.tune.log 2>/dev/null) \
+      --md "$d/heuristic_fit.md" || rc=1
   fi
   return $rc
 }
