@@ -94,9 +94,9 @@ Status varlen_m(const VarlenMArgs& a, int sm_count, cudaStream_t stream) {
   SMOE_RETURN_IF_ERROR(choose_config(a, sm_count, stream, &ch));
   const std::optional<EngineConfig>& c = ch.config;
   if (overrides().print)
-    std::fprintf(stderr, "[smoe engine] varlen_m %s (%s) rows=%lld N=%d K=%d E=%d gather=%d grid<=%d\n",
+    std::fprintf(stderr, "[smoe engine] varlen_m %s (%s) rows=%lld N=%d K=%d E=%d gather=%d grid<=%d hbm_gbps=%d\n",
                  c ? to_string(*c).c_str() : "(none)", ch.from.c_str(), static_cast<long long>(a.rows), a.N, a.K,
-                 a.num_experts, a.gather_idx != nullptr, sm_count);
+                 a.num_experts, a.gather_idx != nullptr, sm_count, device_facts(sm_count).hbm_gbps);
   const RunVarlenM run = c ? find_varlen_m(*c) : nullptr;
   if (run == nullptr) return no_instance(c, "engine::varlen_m");
   return run(a, sm_count, stream);
@@ -108,9 +108,9 @@ Status varlen_k(const VarlenKArgs& a, int sm_count, cudaStream_t stream) {
   SMOE_RETURN_IF_ERROR(choose_config(a, sm_count, stream, &ch));
   const std::optional<EngineConfig>& c = ch.config;
   if (overrides().print)
-    std::fprintf(stderr, "[smoe engine] varlen_k %s (%s) rows=%lld M=%d N=%d E=%d gather=(%d,%d) grid<=%d\n",
+    std::fprintf(stderr, "[smoe engine] varlen_k %s (%s) rows=%lld M=%d N=%d E=%d gather=(%d,%d) grid<=%d hbm_gbps=%d\n",
                  c ? to_string(*c).c_str() : "(none)", ch.from.c_str(), static_cast<long long>(a.rows), a.M, a.N,
-                 a.num_experts, a.gather_p != nullptr, a.gather_q != nullptr, sm_count);
+                 a.num_experts, a.gather_p != nullptr, a.gather_q != nullptr, sm_count, device_facts(sm_count).hbm_gbps);
   const RunVarlenK run = c ? find_varlen_k(*c) : nullptr;
   if (run == nullptr) return no_instance(c, "engine::varlen_k");
   return run(as_gather_p(a), sm_count, stream);
