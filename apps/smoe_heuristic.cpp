@@ -68,8 +68,11 @@ std::string pick(const std::string& line) {
     std::istringstream tail(line.substr(static_cast<size_t>(in.tellg())));
     if (!field(tail, "hbm_gbps", &hbm) || (tail >> rest)) return "error: after sm_count only hbm_gbps=<GB/s>";
   }
+  constexpr int64_t kIntMax = 2147483647;
   if (N <= 0 || K <= 0 || E <= 0 || rows < 0 || sms <= 0 || hbm < 0)
     return "error: N, K, E, sm_count > 0 and rows, hbm_gbps >= 0";
+  if (N > kIntMax || K > kIntMax || E > kIntMax || sms > kIntMax || hbm > kIntMax)
+    return "error: N, K, E, sm_count, hbm_gbps must fit an int";
   const eng::DeviceFacts dev{static_cast<int>(sms), static_cast<int>(hbm)};
   const eng::Overrides none;
   std::optional<eng::EngineConfig> c;

@@ -162,11 +162,11 @@ def markdown(keys, sums, logs):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("logs", nargs="*", help="smoe_tune stdout logs")
-    ap.add_argument("--tuner-json", action="append", default=[], help="tuner_report.py JSON (SM count 132)")
+    ap.add_argument("--tuner-json", action="append", default=[], help="tuner_report.py JSON (SM count 132; its keys take --hbm-gbps, 0 unless given)")
     ap.add_argument("--bin", default="build/smoe_heuristic", help="this build's smoe_heuristic")
     ap.add_argument("--hbm-gbps", type=int, default=0,
                     help="the measuring device's HBM bandwidth in GB/s where a log does not say it (smoe_tune's "
-                         "'device:' line): H100 SXM 3352, H200 4800; 0 = unknown (the heuristic's default rules)")
+                         "'device:' line): H100 SXM 3352, H200 4917; 0 = unknown (the heuristic's default rules)")
     ap.add_argument("--md", help="write the markdown report here (default: stdout)")
     ap.add_argument("--json", help="write every key with its picks and regrets here")
     args = ap.parse_args()

@@ -23,7 +23,9 @@ def load(paths):
     for p in paths:
         runs = {}
         for r in json.load(open(p))["results"]:
-            s = r["systems"]["ours"]
+            s = r.get("systems", {}).get("ours")
+            if not s or "fwd_ms" not in s:  # a config bench_layer could not run (it records {"error": ...})
+                continue
             runs[r["config"]["name"]] = (s["fwd_ms"] + s["bwd_ms"], r["kernels"])
         out.append(runs)
     return out
@@ -32,6 +34,10 @@ def load(paths):
 def side(arg):
     name, paths = arg.split("=", 1)
     return name, load([p for p in paths.split(",") if p])
+
+
+def fmt(v):
+    return "-" if v is None else f"{v:.3f}"
 
 
 def geomean(v):
@@ -49,6 +55,8 @@ def main():
     ap.add_argument("--md")
     args = ap.parse_args()
     (na, pa), (nb, pb) = side(args.a), side(args.b)
+    if na == nb:
+        ap.error("--a and --b need different names (they key the rows and stages)")
     rows = []
     for name in pa[0]:
         if not all(name in p for p in pa + pb):
@@ -76,8 +84,8 @@ def main():
           f"fwd+bwd ms, the lowest of {len(pa)} interleaved passes per side; speedup = {na} / {nb}. "
           f"`dW` = the dW1 + dW2 stages' ratio (varlen-K: the noise where both run the same kernels). "
           f"Stages listed where >= 0.3 ms and moved by more than 4%.", "",
-          f"Geomean speedup {summary['geomean']:.3f} over {summary['configs']} configs "
-          f"(min {summary['min']:.3f}, max {summary['max']:.3f}); dW geomean {summary['dw_geomean']:.3f}.", "",
+          f"Geomean speedup {fmt(summary['geomean'])} over {summary['configs']} configs "
+          f"(min {fmt(summary['min'])}, max {fmt(summary['max'])}); dW geomean {fmt(summary['dw_geomean'])}.", "",
           f"| config | {na} ms | {nb} ms | speedup | per pass | dW | stages moved |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         moved = " ".join(f"{k} x{v[na] / v[nb]:.2f}" for k, v in r["stages"].items()

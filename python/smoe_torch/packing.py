@@ -193,8 +193,9 @@ class GroupedExperts(PackedGateUp):
     mesh = None  # a class default, so modules pickled before the mesh existed still load
 
     def _local(self, w):
-        """This rank's experts of w (the tensor itself without a mesh)."""
-        return w.to_local() if self.mesh is not None else w
+        """This rank's experts of w: its local shard if it is a DTensor, else w itself (also a plain
+        tensor put in place of a mesh module's parameter, e.g. load_state_dict(..., assign=True))."""
+        return w.to_local() if hasattr(w, "to_local") else w
 
     def _gate_up(self):
         return self._local(self.w1), self._local(self.w3)

@@ -39,7 +39,8 @@ DeviceFacts device_facts(int sm_count) {
     clock = width = 0;
   }
   f.hbm_gbps = hbm_gbps_of(clock, width);
-  if (dev >= 0 && dev < kMaxDevices) cache[dev].store(f.hbm_gbps + 1, std::memory_order_relaxed);
+  // Only an answer is cached: a failed query is asked again on the next call.
+  if (f.hbm_gbps > 0 && dev >= 0 && dev < kMaxDevices) cache[dev].store(f.hbm_gbps + 1, std::memory_order_relaxed);
   return f;
 }
 

@@ -27,8 +27,9 @@ namespace {
 
 // choose_config (engine.h): a measured choice where the cache has the call's key (and nothing
 // forces another), measured now where SMOE_ENGINE_TUNE=1 asks for it and the call may be measured
-// (tune_policy.h, decide_measure), else the heuristic's. Without SMOE_ENGINE_TUNE=1 no CUDA call is
-// made here, so the default path is the cache lookup and the heuristic alone.
+// (tune_policy.h, decide_measure), else the heuristic's. Without SMOE_ENGINE_TUNE=1 the only CUDA call
+// made here is device_facts' cudaGetDevice (its attributes are queried once per device), so the
+// default path is the cache lookup and the heuristic alone, with no synchronisation.
 template <class Args>
 Status choose(const Args& a, int sm_count, cudaStream_t stream, const Overrides& o, std::optional<EngineConfig>* c,
               std::string* from) {

@@ -132,16 +132,23 @@ std::optional<EngineConfig> choose_varlen_m(const VarlenMArgs& a, const DeviceFa
   // hides nothing. So ping-pong there too. Tuner at 16e558c (H200, bench/results/h200/tuner.md),
   // wide d2880 n2880 E128 K4: down-proj (N 2880, K 2880) x1.12 and dX~ (K 5760) x1.22 at 128 x 192,
   // up-proj (N 5760) x1.06 at 128 x 128; d6144 n2880's dA' (N 2880) is ping-pong already.
-  const int pp_max_k = o.pingpong_max_k >= 0 ? o.pingpong_max_k : kPingPongMaxK;
-  bool pp = a.epilogue == Epilogue::kDSwiGLU || a.K <= pp_max_k || a.N % 256 != 0;
+  // SMOE_ENGINE_PP_MAX_K, when set, is the whole rule for SwiGLU / store GEMMs: ping-pong up to it,
+  // cooperative above (no N % 256 or lean-HBM exceptions), as the switch documents.
+  const bool pp_k_forced = o.pingpong_max_k >= 0;
+  const int pp_max_k = pp_k_forced ? o.pingpong_max_k : kPingPongMaxK;
+  bool pp = a.epilogue == Epilogue::kDSwiGLU || a.K <= pp_max_k || (!pp_k_forced && a.N % 256 != 0);
+  // The lean rules below trade ping-pong for cooperative 128 x 256, so they apply only where that is
+  // what cooperative runs (N % 256 == 0 and enough wide tiles for 2 waves; else it would be 128 x 128).
+  const bool coop_wide = a.N % 256 == 0 && wide_tiles_fill(tiles256, dev);
   // Lean HBM: the up-projection's ping-pong 128 x 128 lost to cooperative 128 x 256 at every
   // K (1.4B K = 768 x1.06, OLMoE K = 2048 x1.10, 30B n512 K = 4096 x1.16 on the H100); it keeps
   // ping-pong where BN = 256 cannot run (N % 256 != 0) or through the 64 x 256 pairs above.
-  if (lean && a.epilogue == Epilogue::kSwiGLU) pp = a.N % 256 != 0;
+  if (lean && !pp_k_forced && a.epilogue == Epilogue::kSwiGLU && coop_wide) pp = false;
   // Lean HBM, dX~ without a pair above the staged-store K: ping-pong 128 x 192 from registers ran
-  // 1.2-1.7x the cooperative 128 x 256 (Qwen3-Next 4.23 vs 2.45 ms, OLMoE 4.26 vs 3.45, d1024 n512
-  // E256 2.20 vs 1.99), which stayed within 5% of the fastest candidate on every such key.
-  if (lean && kind == Kind::dx_store && !big_weights && a.N % 256 == 0 && a.N >= 2048 && a.K > kStagedStoreMaxK)
+  // 1.2-1.7x the cooperative 128 x 256 at N = 2048 (Qwen3-Next 4.23 vs 2.45 ms, OLMoE 4.26 vs 3.45,
+  // 120B's unpaired 12.2 vs 6.7), which stayed within 5% of the fastest candidate on every such key.
+  if (lean && !pp_k_forced && kind == Kind::dx_store && !big_weights && coop_wide && a.N >= 2048 &&
+      a.K > kStagedStoreMaxK)
     pp = false;
   if (fs != ForcedSched::kNone) pp = fs == ForcedSched::kPingPong;
   int bn;

@@ -16,6 +16,12 @@ constexpr Kind kKinds[] = {Kind::up_swiglu,   Kind::down_store,    Kind::dx_stor
 constexpr Sched kScheds[] = {Sched::kCoop, Sched::kPingPong, Sched::kPingPongStaged, Sched::kPingPongStaged2,
                              Sched::kPingPong64};
 
+// The file's format: 2 since TuneKey has hbm_gbps. A versioned object, not the first format's bare
+// array, so that a build from before (which reads only the array) finds the file unparsable and leaves
+// it alone: it would otherwise read the entries without their hbm_gbps, merge the H100's and the H200's
+// choices for one shape into one, and write them back without it, lost to every later build.
+constexpr int64_t kFileVersion = 2;
+
 std::optional<Kind> parse_kind(const std::string& s) {
   for (Kind k : kKinds)
     if (s == kind_name(k)) return k;
@@ -31,15 +37,17 @@ struct Obj {
 class Reader {
  public:
   explicit Reader(const std::string& s) : s_(s) {}
-  bool array(std::vector<Obj>* out) {
-    if (!eat('[')) return false;
-    if (eat(']')) return end();
-    do {
-      Obj o;
-      if (!object(&o)) return false;
-      out->push_back(o);
-    } while (eat(','));
-    return eat(']') && end();
+  // The whole text: the versioned object to_json writes, {"version": 2, "entries": [...]}, or the
+  // bare array of the first format (entries without hbm_gbps). Any other version: false.
+  bool document(std::vector<Obj>* out) {
+    ws();
+    if (i_ < s_.size() && s_[i_] == '[') return array(out) && end();
+    std::string k;
+    int64_t version = 0;
+    if (!eat('{') || !string(&k) || k != "version" || !eat(':') || !number(&version) || version != kFileVersion)
+      return false;
+    if (!eat(',') || !string(&k) || k != "entries" || !eat(':') || !array(out)) return false;
+    return eat('}') && end();
   }
 
  private:
@@ -57,6 +65,25 @@ class Reader {
   bool end() {
     ws();
     return i_ == s_.size();
+  }
+  bool array(std::vector<Obj>* out) {
+    if (!eat('[')) return false;
+    if (eat(']')) return true;
+    do {
+      Obj o;
+      if (!object(&o)) return false;
+      out->push_back(o);
+    } while (eat(','));
+    return eat(']');
+  }
+  bool number(int64_t* v) {
+    ws();
+    const size_t b = i_;
+    if (i_ < s_.size() && s_[i_] == '-') ++i_;
+    while (i_ < s_.size() && std::isdigit(static_cast<unsigned char>(s_[i_]))) ++i_;
+    if (i_ == b || (i_ == b + 1 && s_[b] == '-') || i_ - b > 18) return false;
+    *v = std::strtoll(s_.c_str() + b, nullptr, 10);
+    return true;
   }
   bool string(std::string* out) {
     if (!eat('"')) return false;
@@ -85,11 +112,9 @@ class Reader {
         i_ += 5;
         o->num[k] = 0;
       } else {
-        const size_t b = i_;
-        if (i_ < s_.size() && s_[i_] == '-') ++i_;
-        while (i_ < s_.size() && std::isdigit(static_cast<unsigned char>(s_[i_]))) ++i_;
-        if (i_ == b || (i_ == b + 1 && s_[b] == '-') || i_ - b > 18) return false;
-        o->num[k] = std::strtoll(s_.c_str() + b, nullptr, 10);
+        int64_t v = 0;
+        if (!number(&v)) return false;
+        o->num[k] = v;
       }
     } while (eat(','));
     return eat('}');
@@ -154,7 +179,7 @@ std::optional<EngineConfig> TuneCache::get(const TuneKey& k) const {
 }
 
 std::string TuneCache::to_json() const {
-  std::string s = "[";
+  std::string s = "{\"version\": " + std::to_string(kFileVersion) + ", \"entries\": [";
   bool first = true;
   for (const auto& [k, c] : map_) {
     s += first ? "\n" : ",\n";
@@ -170,7 +195,7 @@ std::string TuneCache::to_json() const {
     first = false;
     s += "  " + obj;
   }
-  return s + (first ? "]\n" : "\n]\n");
+  return s + (first ? "]}\n" : "\n]}\n");
 }
 
 namespace {
@@ -191,7 +216,7 @@ bool fits_int(int64_t v) { return v >= 0 && v <= std::numeric_limits<int>::max()
 
 bool TuneCache::merge_json(const std::string& json) {
   std::vector<Obj> objs;
-  if (!Reader(json).array(&objs)) return false;
+  if (!Reader(json).document(&objs)) return false;
   std::map<TuneKey, EngineConfig> add;
   std::map<std::string, std::string> foreign;
   for (const Obj& o : objs) {
@@ -199,7 +224,7 @@ bool TuneCache::merge_json(const std::string& json) {
     for (const char* n : nums)
       if (!o.num.count(n) || !fits_int(o.num.at(n))) return false;  // malformed: the whole text is
     if (!o.str.count("kind") || !o.str.count("config")) return false;
-    if (o.num.count("hbm_gbps") && !fits_int(o.num.at("hbm_gbps"))) return false;
+    if (o.str.count("hbm_gbps") || (o.num.count("hbm_gbps") && !fits_int(o.num.at("hbm_gbps")))) return false;
     const std::optional<Kind> kind = parse_kind(o.str.at("kind"));
     const std::optional<EngineConfig> c = parse_config(o.str.at("config"));
     // Another build's entry, or one from before the key had the device's bandwidth: kept, not used.

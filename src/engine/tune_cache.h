@@ -60,7 +60,8 @@ class TuneCache {
   bool put(const TuneKey& k, const EngineConfig& c);
   std::optional<EngineConfig> get(const TuneKey& k) const;
   size_t size() const { return map_.size(); }
-  // One JSON object per entry, sorted by key, in a JSON array: the same cache gives the same text.
+  // {"version": 2, "entries": [one JSON object per entry, sorted by key]}: the same cache gives the
+  // same text. merge_json also reads the first format (a bare array; its entries lack hbm_gbps).
   std::string to_json() const;
   // Entries of `json` (a to_json text) added; false (and nothing added) when the text does not parse
   // or an entry lacks a field. An entry this build cannot use (a kind or label it does not know, a

@@ -552,6 +552,15 @@ TEST(EngineTuneCache, StoresOnlyFittingBuiltConfigsAndRoundTrips) {
                            "\"halves\": false, \"sm_count\": 132, \"config\": \"up_swiglu_pps<128>\"}]"));
   EXPECT_EQ(e.size(), 0u);  // parsed, but no such instance here
   EXPECT_EQ(e.foreign_size(), 2u);
+  // The file is a versioned object, not the first format's bare array: a build from before reads
+  // only the array, so it leaves this file alone instead of merging the H100's and the H200's entries.
+  EXPECT_EQ(json.rfind("{\"version\": 2, \"entries\": [", 0), 0u) << json;
+  EXPECT_TRUE(eng::TuneCache().merge_json("{\"version\": 2, \"entries\": []}"));
+  EXPECT_FALSE(eng::TuneCache().merge_json("{\"version\": 3, \"entries\": []}"));  // a later format: not ours
+  EXPECT_FALSE(eng::TuneCache().merge_json("{\"entries\": [], \"version\": 2}"));
+  EXPECT_FALSE(eng::TuneCache().merge_json("{\"version\": 2, \"entries\": []} []"));
+  EXPECT_FALSE(e.merge_json("[{\"kind\": \"up_swiglu\", \"N\": 1024, \"K\": 2048, \"E\": 8, \"rows_bucket\": 6, "
+                            "\"halves\": false, \"sm_count\": 132, \"hbm_gbps\": \"3352\", \"config\": \"up_swiglu<256>\"}]"));
   // A file from before the key had the device's bandwidth: its entries are kept (written back as they
   // were) but not used, since the device they were measured on is unknown.
   const std::string old_entry = "{\"kind\": \"up_swiglu\", \"N\": 1024, \"K\": 2048, \"E\": 8, \"rows_bucket\": 6, "
