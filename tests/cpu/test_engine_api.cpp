@@ -451,6 +451,24 @@ TEST(EngineApi, LeanHbmRules) {
   EXPECT_EQ(pick(Ep::kStore, W::kKN, 4096, 3072, 256, 16384), "dx_store<256>");
   // Short-K stores keep the staged ping-pong (30B n256's down-proj, K = 256).
   EXPECT_EQ(pick(Ep::kStore, W::kNK, 4096, 256, 256, 524288), "down_store_pps2<192>");
+  // A cooperative 128 x 256 that would not fill 2 waves: the lean rules leave the schedule alone.
+  EXPECT_EQ(pick(Ep::kSwiGLU, W::kNK, 512, 4096, 8, 8000), "up_swiglu<128>");  // K > 2048: cooperative anyway
+  EXPECT_EQ(pick(Ep::kSwiGLU, W::kNK, 256, 1024, 8, 8000), "up_swiglu_pp<128>");
+  // SMOE_ENGINE_PP_MAX_K, when set, is the whole rule: ping-pong up to it, on either device's rules,
+  // at any N (the review found the lean and N % 256 exceptions overriding it).
+  o.pingpong_max_k = 100000;
+  EXPECT_EQ(pick(Ep::kSwiGLU, W::kNK, 1024, 4096, 128, 262144), "up_swiglu_pp<128>");
+  EXPECT_EQ(pick(Ep::kStore, W::kKN, 2048, 2048, 64, 262144), "dx_store_pp<192>");
+  o.pingpong_max_k = 0;
+  EXPECT_EQ(pick(Ep::kStore, W::kNK, 640, 512, 64, 262144), "down_store<128>");
+  auto a = good_m();
+  a.N = 640;
+  a.K = 512;
+  a.num_experts = 64;
+  a.rows = 262144;
+  EXPECT_FALSE(eng::choose_varlen_m(a, eng::DeviceFacts{132}, o)->pingpong()) << "H200 rules, N % 256 != 0";
+  o = eng::Overrides{};
+  EXPECT_TRUE(eng::choose_varlen_m(a, eng::DeviceFacts{132}, o)->pingpong());
 }
 
 // The tuner's host side: keys, the configuration labels, the cache and its JSON file.
