@@ -36,6 +36,8 @@ class EpGroup:
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
+        # The group's global ranks in group order (MoE(ep_mesh=) checks its mesh against them).
+        self.ranks = dist.get_process_group_ranks(group) if group is not None else list(range(self.world))
         if num_experts % self.world:
             raise ValueError(f"num_experts = {num_experts} must be a multiple of the EP world size {self.world}")
         uid = [_ep.unique_id() if self.rank == 0 else None]

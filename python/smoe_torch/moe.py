@@ -250,6 +250,12 @@ class MoE(nn.Module):
             if ep_mesh.ndim != 1 or ep_mesh.size() != ep_group.world:
                 raise ValueError(f"ep_mesh must be 1-D over the ep_group's {ep_group.world} ranks (got shape "
                                  f"{tuple(ep_mesh.shape)})")
+            # The whole rank list, not only this process's place: the same answer on every rank, so a
+            # mismatch fails everywhere instead of hanging the ranks that passed.
+            ranks = getattr(ep_group, "ranks", None)
+            if ranks is not None and [int(r) for r in ep_mesh.mesh.flatten().tolist()] != list(ranks):
+                raise ValueError(f"ep_mesh lists ranks {ep_mesh.mesh.flatten().tolist()}, ep_group {list(ranks)}: "
+                                 f"the mesh must list the group's ranks in its order")
             if ep_mesh.get_local_rank() != ep_group.rank:
                 raise ValueError(f"ep_mesh puts this process at {ep_mesh.get_local_rank()}, ep_group at {ep_group.rank}: "
                                  f"the mesh must list the group's ranks in its order")

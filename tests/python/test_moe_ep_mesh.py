@@ -72,8 +72,9 @@ def load_moe():
 class FakeEpGroup:
     """The attributes MoE reads of smoe_torch.ep.EpGroup."""
 
-    def __init__(self, rank, world):
+    def __init__(self, rank, world, ranks=None):
         self.rank, self.world = rank, world
+        self.ranks = list(range(world)) if ranks is None else ranks
         self.E, self.d, self.n, self.K = CFG["E"], CFG["d"], CFG["n"], CFG["K"]
         self.experts_per_rank = self.E // world
 
@@ -217,9 +218,10 @@ def test_ep_mesh_argument_rules():
     moe = load_moe()
 
     class Mesh:  # the attributes the rules read
-        def __init__(self, ndim, size, local):
+        def __init__(self, ndim, size, local, ranks=None):
             self.ndim, self.shape = ndim, (size,) * ndim
             self._size, self._local = size, local
+            self.mesh = torch.tensor(list(range(size)) if ranks is None else ranks)
 
         def size(self):
             return self._size
@@ -236,5 +238,8 @@ def test_ep_mesh_argument_rules():
         moe.MoE(d, n, E, K, ep_group=FakeEpGroup(0, 2), ep_mesh=Mesh(2, 2, 0))
     with pytest.raises(ValueError, match="in its order"):
         moe.MoE(d, n, E, K, ep_group=FakeEpGroup(1, 2), ep_mesh=Mesh(1, 2, 0))
+    # Another set of global ranks (this process at the same place): every rank sees the mismatch.
+    with pytest.raises(ValueError, match=r"lists ranks \[2, 3\], ep_group \[0, 1\]"):
+        moe.MoE(d, n, E, K, ep_group=FakeEpGroup(0, 2), ep_mesh=Mesh(1, 2, 0, ranks=[2, 3]))
     with pytest.raises(ValueError, match="pack_gate_up is not available with a mesh"):
         moe.GroupedExperts(d, n, 2, pack_gate_up=True, mesh=Mesh(1, 2, 0))
