@@ -86,6 +86,15 @@ def _spawn2(target, *args, timeout=300):
     return sorted(got, key=lambda r: r[0])
 
 
+def spawn2_ok(target, *args):
+    """_spawn2 of a worker that reports {..., "error": traceback} on failure: each rank's results,
+    every rank checked to have run through."""
+    got = _spawn2(target, *args)
+    for rank, res in got:
+        assert "error" not in res, f"rank {rank}: {res['error']}"
+    return got
+
+
 def rel(a, b):
     if a is None:
         a = torch.zeros_like(b)
@@ -228,9 +237,7 @@ def _cpu_case(rank, world, ep_a2a, twin, T0, T1, d, n, E, K, kind, dtype, tol):
 
 @pytest.fixture(scope="module")
 def cpu_results():
-    got = _spawn2(_cpu_worker)
-    for rank, res in got:
-        assert "error" not in res, f"rank {rank}: {res['error']}"
+    got = spawn2_ok(_cpu_worker)
     print("TWIN_SOURCE", got[0][1]["twin_source"])
     return got
 
@@ -373,10 +380,7 @@ def _dt_worker(rank, world, port, ckpt, q):
 @pytest.fixture(scope="module")
 def dt_results(tmp_path_factory):
     ckpt = str(tmp_path_factory.mktemp("ep_dcp"))
-    got = _spawn2(_dt_worker, ckpt)
-    for rank, res in got:
-        assert "error" not in res, f"rank {rank}: {res['error']}"
-    return got, ckpt
+    return spawn2_ok(_dt_worker, ckpt), ckpt
 
 
 def test_mesh_experts_fwd_bwd_match_plain(dt_results):

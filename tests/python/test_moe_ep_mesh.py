@@ -24,7 +24,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_ep_a2a import ROOT, _lst, _spawn2, load_ep_a2a, rel  # noqa: E402  (the gloo helpers)
+from test_ep_a2a import ROOT, _lst, load_ep_a2a, rel, spawn2_ok  # noqa: E402  (the gloo helpers)
 
 CFG = dict(T=8, d=64, n=64, E=4, K=2, max_norm=1e-3)
 PKG = "smoe_moe_epmesh"
@@ -155,10 +155,7 @@ def _worker(rank, world, port, ckpt, q):
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     ckpt = str(tmp_path_factory.mktemp("moe_ep_dcp"))
-    got = _spawn2(_worker, ckpt)
-    for rank, res in got:
-        assert "error" not in res, f"rank {rank}: {res['error']}"
-    return got, ckpt
+    return spawn2_ok(_worker, ckpt), ckpt
 
 
 def test_mesh_module_step_bitwise_the_plain_module(results):
