@@ -306,8 +306,13 @@ void run_m(const MCase& c) {
   unsetenv("SMOE_ENGINE_STAGED_STORE");
   eng::reload_overrides_from_env();
   // The heuristic's own pick (checks expect_bn), as the layer will run it.
+  // Every field the heuristic reads, as run_m_once sets them (without num_experts the lean rules'
+  // rows-per-expert limits read E = 0 and the pick differed from the run's on the H100).
+  static const int32_t some_index = 0;
   const auto pick = eng::choose_varlen_m([&] {
     eng::VarlenMArgs a;
+    a.num_experts = static_cast<int>(c.counts.size());
+    a.gather_idx = c.gather ? &some_index : nullptr;
     a.N = c.N;
     a.K = c.K;
     a.rows = std::accumulate(c.counts.begin(), c.counts.end(), int64_t{0});
