@@ -16,18 +16,11 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
 
+#include "cuda_or_exit.h"
 #include "smoe/smoe.h"
 
 namespace {
 
-#define DIGEST_CUDA(x)                                                                          \
-  do {                                                                                          \
-    const cudaError_t e_ = (x);                                                                 \
-    if (e_ != cudaSuccess) {                                                                    \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_));   \
-      std::exit(1);                                                                             \
-    }                                                                                           \
-  } while (0)
 #define DIGEST_OK(x)                                                                            \
   do {                                                                                          \
     const smoe::Status s_ = (x);                                                                \
@@ -41,7 +34,7 @@ struct Buf {
   void* p = nullptr;
   size_t bytes = 0;
   explicit Buf(size_t b) : bytes(b) {
-    if (b) DIGEST_CUDA(cudaMalloc(&p, b));
+    if (b) SMOE_CUDA_OR_EXIT(cudaMalloc(&p, b));
   }
   ~Buf() { cudaFree(p); }
   Buf(const Buf&) = delete;
@@ -58,7 +51,7 @@ uint64_t fnv1a(const std::vector<unsigned char>& v) {
 
 void digest(const std::string& shape, const char* name, const Buf& b) {
   std::vector<unsigned char> h(b.bytes);
-  if (b.bytes) DIGEST_CUDA(cudaMemcpy(h.data(), b.p, b.bytes, cudaMemcpyDeviceToHost));
+  if (b.bytes) SMOE_CUDA_OR_EXIT(cudaMemcpy(h.data(), b.p, b.bytes, cudaMemcpyDeviceToHost));
   std::printf("%s %s %zu %016llx\n", shape.c_str(), name, b.bytes, static_cast<unsigned long long>(fnv1a(h)));
 }
 
@@ -66,7 +59,7 @@ void fill_bf16(const Buf& b, double scale, std::mt19937_64& g) {
   std::normal_distribution<float> d(0.f, static_cast<float>(scale));
   std::vector<smoe::bf16> h(b.bytes / sizeof(smoe::bf16));
   for (auto& x : h) x = __float2bfloat16(d(g));
-  DIGEST_CUDA(cudaMemcpy(b.p, h.data(), b.bytes, cudaMemcpyHostToDevice));
+  SMOE_CUDA_OR_EXIT(cudaMemcpy(b.p, h.data(), b.bytes, cudaMemcpyHostToDevice));
 }
 
 struct Case {
@@ -107,14 +100,14 @@ void run(const Case& c, uint64_t seed) {
         sc[t * K + k] = u(g);
       }
     }
-    DIGEST_CUDA(cudaMemcpy(routed_e.p, ids.data(), routed_e.bytes, cudaMemcpyHostToDevice));
-    DIGEST_CUDA(cudaMemcpy(routed_s.p, sc.data(), routed_s.bytes, cudaMemcpyHostToDevice));
+    SMOE_CUDA_OR_EXIT(cudaMemcpy(routed_e.p, ids.data(), routed_e.bytes, cudaMemcpyHostToDevice));
+    SMOE_CUDA_OR_EXIT(cudaMemcpy(routed_s.p, sc.data(), routed_s.bytes, cudaMemcpyHostToDevice));
   }
   Buf out(T * d * bf), saved(smoe::moe_saved_state_size(s));
   const size_t ws_bytes = std::max(smoe::moe_forward_workspace_size(s), smoe::moe_backward_workspace_size(s));
   Buf ws(ws_bytes), status(sizeof(smoe::DeviceStatus));
   cudaStream_t st;
-  DIGEST_CUDA(cudaStreamCreate(&st));
+  SMOE_CUDA_OR_EXIT(cudaStreamCreate(&st));
   DIGEST_OK(smoe::reset_device_status(status.as<smoe::DeviceStatus>(), st));
   smoe::MoEForwardArgs f;
   f.shape = s;
@@ -148,10 +141,10 @@ void run(const Case& c, uint64_t seed) {
   b.workspace_bytes = ws.bytes;
   b.status = status.as<smoe::DeviceStatus>();
   DIGEST_OK(smoe::moe_backward(b, st));
-  DIGEST_CUDA(cudaStreamSynchronize(st));
-  DIGEST_CUDA(cudaStreamDestroy(st));
+  SMOE_CUDA_OR_EXIT(cudaStreamSynchronize(st));
+  SMOE_CUDA_OR_EXIT(cudaStreamDestroy(st));
   smoe::DeviceStatus ds;
-  DIGEST_CUDA(cudaMemcpy(&ds, status.p, sizeof ds, cudaMemcpyDeviceToHost));
+  SMOE_CUDA_OR_EXIT(cudaMemcpy(&ds, status.p, sizeof ds, cudaMemcpyDeviceToHost));
   const std::string tag = c.name;
   std::printf("%s status %u\n", tag.c_str(), ds.flags);
   digest(tag, "out", out);

@@ -60,6 +60,9 @@
 #   pytest    build the PyTorch extension (pip install --no-build-isolation .) and run
 #             tests/python from /tmp (PYTEST_TIMEOUT, 300 s; the two-GPU EP tests skip on one GPU)
 #   digest    $BUILD/layer_digest > $OUT/digest.txt (fails, saying so, when the binary is missing)
+#   gather    the gather-sums alone: $BUILD/gather_sum_bench (every built variant against the kernel
+#             before them and a copy; GATHER_SHAPES=T:d:K:E,... replaces its shapes, GATHER_REPS 20)
+#             -> $OUT/gather/gather_sum.{json,txt} (bench/results/h100/gather_sum.md)
 #
 # Output: every step prints a header and a few summary lines here, logs everything to
 # $OUT/<step>.log and puts its other files in $OUT/<step>/. OUT defaults to ./device_out (the
@@ -84,7 +87,7 @@ cd "$ROOT"
 # shellcheck source=versions.env
 source scripts/versions.env
 
-ALL_STEPS="build test sanitize bench tune sonic ncu ep pytest digest"
+ALL_STEPS="build test sanitize bench tune sonic ncu ep pytest digest gather"
 OUT="${OUT:-$ROOT/device_out}"
 BUILD="${BUILD:-build}"
 DRY="${DEVICE_DRY_RUN:-0}"
@@ -534,6 +537,15 @@ step_digest() {
   return $rc
 }
 summary_digest() { body "$1" | grep -E "^digest: "; [ -s "$OUT/digest.txt" ] && head -n 20 "$OUT/digest.txt"; }
+
+step_gather() {
+  need_bin gather_sum_bench gather || return 1
+  local d="$OUT/gather"
+  mkdir -p "$d"
+  SMOE_COMMIT="$COMMIT" xt -o "$d/gather_sum.txt" "${GATHER_TIMEOUT:-300}" "$BUILD/gather_sum_bench" \
+    --reps "${GATHER_REPS:-20}" ${GATHER_SHAPES:+--shapes "$GATHER_SHAPES"} --out "$d/gather_sum.json"
+}
+summary_gather() { [ -s "$OUT/gather/gather_sum.txt" ] && grep -E "^T |chosen|checked|DIFFERS|WRONG" "$OUT/gather/gather_sum.txt" | head -40; }
 
 # ---- run -----------------------------------------------------------------------------------------
 pack_out() {  # $OUT/00-all.tgz: everything under $OUT (the device tool returns 8 files at most)

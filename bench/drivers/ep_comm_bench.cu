@@ -19,18 +19,11 @@
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
+#include "cuda_or_exit.h"
 #include "ep/ep_context.h"
 
 namespace {
 
-#define CK(x)                                                                                 \
-  do {                                                                                        \
-    cudaError_t e_ = (x);                                                                     \
-    if (e_ != cudaSuccess) {                                                                  \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                           \
-    }                                                                                         \
-  } while (0)
 
 struct Point {
   int64_t T;
@@ -44,7 +37,7 @@ struct RankResult {
 };
 
 void run_rank(ncclComm_t comm, int rank, int world, Point p, int reps, RankResult* out) {
-  CK(cudaSetDevice(rank));
+  SMOE_CUDA_OR_EXIT(cudaSetDevice(rank));
   smoe::EpConfig cfg;
   cfg.max_tokens = p.T;
   cfg.d = p.d;
@@ -74,23 +67,23 @@ void run_rank(ncclComm_t comm, int rank, int world, Point p, int reps, RankResul
   float* d_sc;
   smoe::bf16 *x, *y, *o;
   smoe::DeviceStatus* st;
-  CK(cudaMalloc(&d_ids, rows * p.K * 4));
-  CK(cudaMalloc(&d_clean, rows * p.K * 4));
-  CK(cudaMalloc(&d_sc, rows * p.K * 4));
-  CK(cudaMalloc(&send_pos, size_t(R) * rows * 4));
-  CK(cudaMalloc(&my_counts, R * 4));
-  CK(cudaMalloc(&all_counts, R * R * 4));
-  CK(cudaMalloc(&x, rows * p.d * 2));
-  CK(cudaMalloc(&o, rows * p.d * 2));
-  CK(cudaMalloc(&y, slots * p.d * 2));
-  CK(cudaMalloc(&st, sizeof(smoe::DeviceStatus)));
-  CK(cudaMemset(st, 0, sizeof(smoe::DeviceStatus)));
-  CK(cudaMemset(x, 0x3c, rows * p.d * 2));
-  CK(cudaMemset(y, 0x3c, slots * p.d * 2));
-  CK(cudaMemcpy(d_ids, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice));
-  CK(cudaMemcpy(d_sc, sc.data(), sc.size() * 4, cudaMemcpyHostToDevice));
+  SMOE_CUDA_OR_EXIT(cudaMalloc(&d_ids, rows * p.K * 4));
+  SMOE_CUDA_OR_EXIT(cudaMalloc(&d_clean, rows * p.K * 4));
+  SMOE_CUDA_OR_EXIT(cudaMalloc(&d_sc, rows * p.K * 4));
+  SMOE_CUDA_OR_EXIT(cudaMalloc(&send_pos, size_t(R) * rows * 4));
+  SMOE_CUDA_OR_EXIT(cudaMalloc(&my_counts, R * 4));
+  SMOE_CUDA_OR_EXIT(cudaMalloc(&all_counts, R * R * 4));
+  SMOE_CUDA_OR_EXIT(cudaMalloc(&x, rows * p.d * 2));
+  SMOE_CUDA_OR_EXIT(cudaMalloc(&o, rows * p.d * 2));
+  SMOE_CUDA_OR_EXIT(cudaMalloc(&y, slots * p.d * 2));
+  SMOE_CUDA_OR_EXIT(cudaMalloc(&st, sizeof(smoe::DeviceStatus)));
+  SMOE_CUDA_OR_EXIT(cudaMemset(st, 0, sizeof(smoe::DeviceStatus)));
+  SMOE_CUDA_OR_EXIT(cudaMemset(x, 0x3c, rows * p.d * 2));
+  SMOE_CUDA_OR_EXIT(cudaMemset(y, 0x3c, slots * p.d * 2));
+  SMOE_CUDA_OR_EXIT(cudaMemcpy(d_ids, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice));
+  SMOE_CUDA_OR_EXIT(cudaMemcpy(d_sc, sc.data(), sc.size() * 4, cudaMemcpyHostToDevice));
   cudaStream_t stream;
-  CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  SMOE_CUDA_OR_EXIT(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   smoe::ep::EpKernelArgs a;
   a.dev_comm = ctx->dev_comm;
   a.window = ctx->window;
@@ -107,34 +100,34 @@ void run_rank(ncclComm_t comm, int rank, int world, Point p, int reps, RankResul
   a.Kl = ctx->local_slots;
   a.timeout_cycles = 0;
   a.flags = nullptr;
-  CK(smoe::ep::launch_layout(a, d_ids, send_pos, my_counts, d_clean, st, stream));
-  CK(smoe::ep::launch_exchange(a, my_counts, all_counts, stream));
+  SMOE_CUDA_OR_EXIT(smoe::ep::launch_layout(a, d_ids, send_pos, my_counts, d_clean, st, stream));
+  SMOE_CUDA_OR_EXIT(smoe::ep::launch_exchange(a, my_counts, all_counts, stream));
   std::vector<int32_t> counts(R * R);
-  CK(cudaMemcpyAsync(counts.data(), all_counts, R * R * 4, cudaMemcpyDeviceToHost, stream));
-  CK(cudaStreamSynchronize(stream));
+  SMOE_CUDA_OR_EXIT(cudaMemcpyAsync(counts.data(), all_counts, R * R * 4, cudaMemcpyDeviceToHost, stream));
+  SMOE_CUDA_OR_EXIT(cudaStreamSynchronize(stream));
   for (int q = 0; q < R; ++q)
     if (q != rank) out->cross_bytes += double(counts[rank * R + q]) * p.d * 2;
   cudaEvent_t e0, e1;
-  CK(cudaEventCreate(&e0));
-  CK(cudaEventCreate(&e1));
+  SMOE_CUDA_OR_EXIT(cudaEventCreate(&e0));
+  SMOE_CUDA_OR_EXIT(cudaEventCreate(&e1));
   const int blocks = cfg.comm_blocks;
   for (int rep = -3; rep < reps; ++rep) {
-    CK(cudaEventRecord(e0, stream));
-    CK(smoe::ep::launch_dispatch(a, all_counts, send_pos, x, nullptr, d_clean, d_sc, /*write_meta=*/true, /*start_barrier=*/true, /*report_capacity=*/true, blocks, stream));
-    CK(cudaEventRecord(e1, stream));
-    CK(cudaEventSynchronize(e1));
+    SMOE_CUDA_OR_EXIT(cudaEventRecord(e0, stream));
+    SMOE_CUDA_OR_EXIT(smoe::ep::launch_dispatch(a, all_counts, send_pos, x, nullptr, d_clean, d_sc, /*write_meta=*/true, /*start_barrier=*/true, /*report_capacity=*/true, blocks, stream));
+    SMOE_CUDA_OR_EXIT(cudaEventRecord(e1, stream));
+    SMOE_CUDA_OR_EXIT(cudaEventSynchronize(e1));
     float ms;
-    CK(cudaEventElapsedTime(&ms, e0, e1));
+    SMOE_CUDA_OR_EXIT(cudaEventElapsedTime(&ms, e0, e1));
     if (rep >= 0) out->dispatch_ms.push_back(ms);
   }
   for (int rep = -3; rep < reps; ++rep) {
-    CK(cudaEventRecord(e0, stream));
-    CK(smoe::ep::launch_combine(a, all_counts, y, nullptr, blocks, stream));
-    CK(smoe::ep::launch_reduce(a, all_counts, send_pos, y, o, nullptr, nullptr, nullptr, stream));
-    CK(cudaEventRecord(e1, stream));
-    CK(cudaEventSynchronize(e1));
+    SMOE_CUDA_OR_EXIT(cudaEventRecord(e0, stream));
+    SMOE_CUDA_OR_EXIT(smoe::ep::launch_combine(a, all_counts, y, nullptr, blocks, stream));
+    SMOE_CUDA_OR_EXIT(smoe::ep::launch_reduce(a, all_counts, send_pos, y, o, nullptr, nullptr, nullptr, stream));
+    SMOE_CUDA_OR_EXIT(cudaEventRecord(e1, stream));
+    SMOE_CUDA_OR_EXIT(cudaEventSynchronize(e1));
     float ms;
-    CK(cudaEventElapsedTime(&ms, e0, e1));
+    SMOE_CUDA_OR_EXIT(cudaEventElapsedTime(&ms, e0, e1));
     if (rep >= 0) out->combine_ms.push_back(ms);
   }
   for (void* ptr : {(void*)d_ids, (void*)d_clean, (void*)d_sc, (void*)send_pos, (void*)my_counts,

@@ -11,7 +11,9 @@ so the figure is an upper bound of what a kernel with extra traffic could show):
   router     (forward)  the router GEMM: reads x [T, d] and W [E, d], writes fp32 logits [T, E]
   routing    (forward)  reads the logits, writes K (index, score) pairs per token
 `--copy-tbs`: the device-to-device copy bandwidth to compare with (H200: ~4.3 TB/s, device tool's
-KINDS.md, counting bytes read and written).
+KINDS.md, counting bytes read and written; H100: ~3.0, gather_sum_bench).
+`--before AB.json --before-commit C`: add, for the aggregation and the dx sum, the same stage of an
+earlier build from a layer_ab.py JSON (its per-stage medians for commit C) and the speedup since.
 """
 
 import argparse
@@ -33,7 +35,19 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("runs", nargs="+")
     p.add_argument("--copy-tbs", type=float, default=4.3)
+    p.add_argument("--before", help="layer_ab.py JSON of an earlier build")
+    p.add_argument("--before-commit", help="which of its commits (default: its 'b')")
     a = p.parse_args()
+    before = {}
+    if a.before:
+        ab = json.load(open(a.before))
+        bc = a.before_commit or ab["b"]
+        for row in ab["rows"]:
+            for st in ("fwd.aggregate", "bwd.dx_sum"):
+                v = row.get("stages", {}).get(st, {}).get(bc)
+                if v:
+                    before.setdefault(row["config"], {})[st + "_ms"] = v
+        before_label = bc
     best, meta = {}, {}
     for f in a.runs:
         doc = json.load(open(f))
@@ -48,12 +62,13 @@ def main():
              "fwd.routing_ms": "routing"}
     print(f"Memory-bound stages: ms and TB/s (% of a {a.copy_tbs} TB/s copy) for the least bytes each must move; "
           "`share`: these four + the router's backward, as a fraction of the stage sum.\n")
-    print("| config | commit | " + " | ".join(names.values()) + " | share |")
-    print("|---|---|" + "---|" * len(names) + "---|")
+    extra = [f"aggregate at {before_label}", f"dx_sum at {before_label}"] if before else []
+    print("| config | commit | " + " | ".join(list(names.values()) + extra) + " | share |")
+    print("|---|---|" + "---|" * (len(names) + len(extra)) + "---|")
     for n, k in best.items():
         c, commit = meta[n]
         if not k:  # a config that failed in every run: bench_layer wrote no stage times
-            print(f"| {n} | {commit} | " + " | ".join("-" for _ in names) + " | - |")
+            print(f"| {n} | {commit} | " + " | ".join("-" for _ in list(names) + extra) + " | - |")
             continue
         by = stage_bytes(c)
         cells = []
@@ -63,6 +78,13 @@ def main():
                 continue
             tbs = by[s] / k[s] / 1e9
             cells.append(f"{k[s]:.3f} ms, {tbs:.2f} ({100 * tbs / a.copy_tbs:.0f}%)")
+        for s in ("fwd.aggregate_ms", "bwd.dx_sum_ms") if before else ():
+            old = before.get(n, {}).get(s)
+            if old is None or s not in k:
+                cells.append("-")
+                continue
+            tbs = by[s] / old / 1e9
+            cells.append(f"{old:.3f} ms ({100 * tbs / a.copy_tbs:.0f}%), now x{old / k[s]:.2f}")
         total = sum(v for kk, v in k.items() if "." in kk)
         mem = sum(k.get(s, 0) for s in names) + k.get("bwd.router_bwd_ms", 0)
         share = f"{mem / total:.3f}" if total > 0 else "-"

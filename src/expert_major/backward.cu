@@ -130,7 +130,7 @@ Status expert_major_backward(const ExpertMajorBackwardArgs& a, cudaStream_t stre
   profile::mark("dX_proj", stream);
 
   SMOE_RETURN_IF_ERROR(kernels::dx_sum(w.dXt, sv.slot_of, sv.row_offset, nullptr, nullptr, nullptr, nullptr, s.d,
-                                       s.rows, s.E, sms, a.dx, stream, w.valid));
+                                       s.rows, s.E, 1, sms, a.dx, stream, w.valid));
   profile::mark("dx_sum", stream);
   return nan_if_invalid();
 }

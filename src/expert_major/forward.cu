@@ -65,7 +65,7 @@ Status expert_major_forward(const ExpertMajorForwardArgs& a, cudaStream_t stream
     SMOE_RETURN_IF_ERROR(engine::varlen_m(down, sms, stream));
     profile::mark("down_proj", stream);
 
-    SMOE_RETURN_IF_ERROR(kernels::aggregate(w.y, sv.scores, sv.slot_of, sv.row_offset, s.d, s.rows, a.out, stream));
+    SMOE_RETURN_IF_ERROR(kernels::aggregate(w.y, sv.scores, sv.slot_of, sv.row_offset, s.d, s.rows, 1, sms, a.out, stream));
     profile::mark("aggregate", stream);
     SMOE_RETURN_IF_ERROR(
         kernels::nan_fill_if_invalid(w.valid, {{a.out, static_cast<size_t>(s.rows) * s.d * sizeof(bf16)}}, stream));

@@ -214,7 +214,7 @@ Status moe_backward(const MoEBackwardArgs& a, cudaStream_t stream) {
   profile::mark("dX_proj", stream);
 
   SMOE_RETURN_IF_ERROR(kernels::dx_sum(w.dXt, sv.reverse_scatter_idx, sv.token_offset, w.dl, sv.entry_expert,
-                                       a.weights.w_router, w.dx_router, s.d, s.T, s.E, sms, a.dx, stream, valid));
+                                       a.weights.w_router, w.dx_router, s.d, s.T, s.E, s.K, sms, a.dx, stream, valid));
   profile::mark("dx_sum", stream);
   // Timed as a stage of its own: while its launch was uncapped, its 0.3 ms hid between the stages.
   SMOE_RETURN_IF_ERROR(nan_if_invalid());

@@ -127,8 +127,8 @@ Status moe_forward(const MoEForwardArgs& a, cudaStream_t stream) {
   SMOE_RETURN_IF_ERROR(engine::varlen_m(down, sms, stream));
   profile::mark("down_proj", stream);
 
-  SMOE_RETURN_IF_ERROR(kernels::aggregate(w.y, sv.scores, sv.reverse_scatter_idx, sv.token_offset, s.d, s.T,
-                                          a.out, stream));
+  SMOE_RETURN_IF_ERROR(kernels::aggregate(w.y, sv.scores, sv.reverse_scatter_idx, sv.token_offset, s.d, s.T, s.K,
+                                          sms, a.out, stream));
   profile::mark("aggregate", stream);
   return kernels::write_saved_stamp(stamp, plan::kSavedMagic, hash, saved_need, stream);
 }

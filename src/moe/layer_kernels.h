@@ -34,17 +34,19 @@ Status nan_fill_if_invalid(const int32_t* valid, std::initializer_list<FillSpan>
 // Entries of token t are [token_offset[t], token_offset[t+1]); an entry with rev < 0 is an empty
 // slot (provided routing) and adds nothing.
 // out[t] = sum over entries j of t: scores[j] * Y[rev[j]] (fp32 accumulate, entry order).
+// entries_hint: about how many entries a token has (K); it sets how many tokens a thread sums at
+// once (the loads it keeps in flight) and nothing else: any value gives the same bits.
 Status aggregate(const bf16* Y, const float* scores, const int32_t* rev, const int32_t* token_offset, int d,
-                 int64_t T, bf16* out, cudaStream_t stream);
+                 int64_t T, int entries_hint, int sms, bf16* out, cudaStream_t stream);
 // dS[scatter[r]] = sum_j partial[r][j] (j ascending) for grouped rows r < *nnz; rows in [*nnz, rows)
 // are unused: their entry (if scatter[r] >= 0, an empty slot) gets dS = 0. partial is [rows][tiles].
 Status ds_rowsum(const float* partial, int tiles, const int32_t* scatter, int64_t rows, const int32_t* nnz,
                  float* dS, cudaStream_t stream, const int32_t* valid = nullptr);
 // dx[t] = sum over entries j of t: dXt[rev[j]] (+ dl[j] * w_router[entry_expert[j]] when dl is not
-// null) (+ dx_router[t] fp32 [T][d] when not null), fp32 in entry order.
+// null) (+ dx_router[t] fp32 [T][d] when not null), fp32 in entry order. entries_hint as in aggregate.
 Status dx_sum(const bf16* dXt, const int32_t* rev, const int32_t* token_offset, const float* dl,
               const int32_t* entry_expert, const bf16* w_router, const float* dx_router, int d, int64_t T,
-              int E, int sms, bf16* dx, cudaStream_t stream, const int32_t* valid = nullptr);
+              int E, int entries_hint, int sms, bf16* dx, cudaStream_t stream, const int32_t* valid = nullptr);
 Status f32_to_bf16(const float* in, bf16* out, int64_t n, cudaStream_t stream);
 
 }  // namespace kernels
