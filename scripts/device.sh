@@ -16,14 +16,18 @@
 #             (SANITIZE_TOOLS picks, SANITIZE_TIMEOUT per tool, 300 s)
 #   bench     bench_layer and the torch baseline (bench/baselines/torch_baseline.py) on
 #             bench/configs/configs.json, merged by bench/reports/merge_results.py into
-#             $OUT/bench/layer.{json,md}; then the same for bench/configs/sweep_configs.json
-#             ($OUT/bench/sweep.{json,md}). BENCH_CONFIGS=A,B: only those, no sweep; BENCH_SWEEP=0: no
-#             sweep; BENCH_WARMUP (3), BENCH_REPS (15), BENCH_TIMEOUT (500 s a command)
+#             $OUT/bench/layer.{json,md}; then the same for each <name> of BENCH_SWEEPS (default
+#             "sweep wide": bench/configs/<name>_configs.json -> $OUT/bench/<name>.{json,md}; the wide
+#             experts, E <= 16 at K = 1 and few tokens per expert are in wide). BENCH_CONFIGS=A,B: only
+#             those, no sweep; BENCH_SWEEP=0: no sweep; BENCH_WARMUP (3), BENCH_REPS (15),
+#             BENCH_TIMEOUT (500 s a command)
 #   sonic     SonicMoE next to ours and torch in one process (bench/drivers/side_by_side.py), carrying
 #             .whl (bench/baselines/sonicmoe_env.sh pack). SONIC_STAGE=warm (default: builds our
 #             extension, runs SonicMoE alone on SONIC_WARM_CONFIG so its cold Triton autotune
 #             fills the machine's cache) or run (the next call on the still-warm machine:
-#             SONIC_CONFIGS, default all). SONIC_BUDGET (570 s from the script's start) caps both.
+#             SONIC_CONFIGS names, default all of SONIC_CONFIGS_FILES: bench/configs/configs.json,
+#             or several files comma-separated, e.g. adding sweep_configs.json and wide_configs.json).
+#             SONIC_BUDGET (570 s from the script's start) caps both.
 #   tune      the engine tuner's evidence: for each configs file of TUNE_CONFIGS (default
 #             bench/configs/configs.json and bench/configs/wide_configs.json; the 41 shapes for
 #             re-deriving the heuristic add sweep_configs.json and tune_extra_configs.json) build/smoe_tune into a
@@ -311,19 +315,22 @@ step_bench() {
   x python3 bench/reports/merge_results.py --ours "$d/ours.json" --torch "$d/torch.json" \
     --out "$d/layer.json" --md "$d/layer.md" || rc=1
   if [ -z "$only" ] && [ "${BENCH_SWEEP:-1}" != 0 ]; then
-    xt "$t" "$BUILD/bench_layer" --configs bench/configs/sweep_configs.json --out "$d/sweep_ours.json" \
-      --commit "$COMMIT" --warmup "$w" --reps "$r" --driver "$driver" || rc=1
-    xt -a "$d/sweep_torch.log" "$t" python3 bench/baselines/torch_baseline.py \
-      --configs-file bench/configs/sweep_configs.json --out "$d/sweep_torch.json" --counts histc \
-      --warmup "$w" --reps "$r" || rc=1
-    x python3 bench/reports/merge_results.py --ours "$d/sweep_ours.json" --torch "$d/sweep_torch.json" \
-      --out "$d/sweep.json" --md "$d/sweep.md" || rc=1
+    local sw
+    for sw in ${BENCH_SWEEPS:-sweep wide}; do  # bench/configs/<sw>_configs.json -> $d/<sw>.{json,md}
+      xt "$t" "$BUILD/bench_layer" --configs "bench/configs/${sw}_configs.json" --out "$d/${sw}_ours.json" \
+        --commit "$COMMIT" --warmup "$w" --reps "$r" --driver "$driver" || rc=1
+      xt -a "$d/${sw}_torch.log" "$t" python3 bench/baselines/torch_baseline.py \
+        --configs-file "bench/configs/${sw}_configs.json" --out "$d/${sw}_torch.json" --counts histc \
+        --warmup "$w" --reps "$r" || rc=1
+      x python3 bench/reports/merge_results.py --ours "$d/${sw}_ours.json" --torch "$d/${sw}_torch.json" \
+        --out "$d/${sw}.json" --md "$d/${sw}.md" || rc=1
+    done
   fi
   return $rc
 }
 summary_bench() {
   local f
-  for f in "$OUT/bench/layer.md" "$OUT/bench/sweep.md"; do [ -f "$f" ] && { say "-- ${f#"$OUT"/}"; head -20 "$f"; }; done
+  for f in "$OUT/bench/layer.md" "$OUT"/bench/{sweep,wide,tune_extra}.md; do [ -f "$f" ] && { say "-- ${f#"$OUT"/}"; head -20 "$f"; }; done
   grep -E "timed out|Error|error" "$1" | head -10
 }
 
@@ -384,6 +391,7 @@ step_sonic() {
           --commit "$COMMIT" || rc=1 ;;
       run)
         xt -a "$d/side_by_side.log" "$(left)" python3 bench/drivers/side_by_side.py \
+          --configs-file "${SONIC_CONFIGS_FILES:-bench/configs/configs.json}" \
           ${SONIC_CONFIGS:+--configs "$SONIC_CONFIGS"} --out "$d/side_by_side.json" --plots "$d" \
           --commit "$COMMIT" || rc=1 ;;
       *) say "SONIC_STAGE must be warm or run"; rc=1 ;;

@@ -228,6 +228,19 @@ def table_md(doc, path):
     open(path, "w").write("\n".join(lines) + "\n")
 
 
+def load_configs_files(spec):
+    """The configs of one file or of several, comma-separated (e.g. the public configs, the sweep and the
+    wide shapes in one run), in order; a name may appear once."""
+    cfgs, seen = [], set()
+    for path in (p.strip() for p in spec.split(",") if p.strip()):
+        for c in json.load(open(path)):
+            if c["name"] in seen:
+                sys.exit(f"side_by_side.py: config {c['name']!r} is in more than one of {spec}")
+            seen.add(c["name"])
+            cfgs.append(c)
+    return cfgs
+
+
 def merge(paths, configs_file):
     """One results document from runs of config subsets: the same machine and software (gpu, driver,
     cuda, torch, commit must agree), results in the configs file's order, a config at most once."""
@@ -237,7 +250,7 @@ def merge(paths, configs_file):
         vals = {str(d.get(k)) for d in docs}
         if len(vals) > 1:
             sys.exit(f"side_by_side.py --merge: the files differ in {k}: {sorted(vals)}")
-    order = [c["name"] for c in json.load(open(configs_file))]
+    order = [c["name"] for c in load_configs_files(configs_file)]
     results, seen = [], set()
     for d in docs:
         for r in d["results"]:
@@ -257,7 +270,8 @@ def merge(paths, configs_file):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--configs", help="comma-separated config names (default: all)")
-    ap.add_argument("--configs-file", default=DEFAULT_CONFIGS)
+    ap.add_argument("--configs-file", default=DEFAULT_CONFIGS,
+                    help="a configs JSON, or several comma-separated (the public configs, the sweep, the wide shapes)")
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
@@ -294,7 +308,7 @@ def main():
         import faulthandler
         faulthandler.dump_traceback_later(int(os.environ["SMOE_BENCH_STACKS"]), repeat=True)
     device = torch.device("cuda")
-    cfgs = json.load(open(args.configs_file))
+    cfgs = load_configs_files(args.configs_file)
     if args.configs:
         want = set(args.configs.split(","))
         cfgs = [c for c in cfgs if c["name"] in want]
