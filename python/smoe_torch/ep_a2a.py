@@ -53,6 +53,21 @@ __all__ = ["A2APlan", "layout", "dispatch", "to_expert_major", "run_experts", "f
            "moe_ep_a2a", "A2AExpertParallel", "clip_grad_norm_", "default_experts_fn"]
 
 
+def _sibling(name):
+    """python/smoe_torch/<name>.py (one that imports only torch): from the package, or by its path when
+    this file was loaded on its own (CPU tests without the built extension)."""
+    import importlib  # noqa: PLC0415
+    if __package__:
+        return importlib.import_module(f"{__package__}.{name}")
+    import importlib.util  # noqa: PLC0415
+    import os  # noqa: PLC0415
+    spec = importlib.util.spec_from_file_location(f"_smoe_{name}_file", os.path.join(os.path.dirname(__file__),
+                                                                                     f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def default_experts_fn(x):
     """smoe_torch.expert_major on CUDA, the pure-torch twin smoe_torch.expert_major_ref elsewhere."""
     import smoe_torch  # noqa: PLC0415  (on demand: loads the extension)
@@ -340,11 +355,11 @@ class A2AExpertParallel(torch.nn.Module):
         return w.to_local() if self.mesh is not None else w
 
     def reset_parameters(self, std=0.02):
-        # Init the local shard itself (a DTensor init op would draw from DTensor's own RNG offsets), so a
-        # rank's values match the plain path's for the same torch seed.
-        with torch.no_grad():
-            for w in (self.w1, self.w3, self.w2):
-                torch.nn.init.trunc_normal_(self._local(w), std=std)
+        # The local shard itself (a DTensor init op would draw from DTensor's own RNG offsets), expert by
+        # global index (packing.init_experts_; this rank holds [rank * E/P, (rank + 1) * E/P)): the plain
+        # and mesh modules agree, ranks differ, and the experts equal a one-process module's (P = 1).
+        first = dist.get_rank(self.group) * (self.num_experts // dist.get_world_size(self.group))
+        _sibling("packing").init_experts_([self._local(w) for w in (self.w1, self.w2, self.w3)], std, first)
 
     def forward(self, x, topk_idx, topk_scores):
         w1, w3, w2 = (self._local(w) for w in (self.w1, self.w3, self.w2))

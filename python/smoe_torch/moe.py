@@ -262,8 +262,11 @@ class MoE(nn.Module):
         self.dim, self.hidden_dim, self.num_experts, self.top_k = dim, hidden_dim, num_experts, top_k
         self.router = TokenChoiceTopKRouter(dim, num_experts, top_k, score_func, route_norm, route_scale,
                                             num_expert_groups, num_limited_groups)
+        # EP: this rank holds global experts [rank * E/P, (rank + 1) * E/P) (smoe_torch.ep), and each is
+        # initialised by its global index (packing.init_experts_), as in the one-GPU module.
         self.experts = GroupedExperts(dim, hidden_dim, num_experts if ep_group is None else ep_group.experts_per_rank,
-                                      pack_gate_up, mesh=ep_mesh)
+                                      pack_gate_up, mesh=ep_mesh,
+                                      first_expert=None if ep_group is None else ep_group.rank * ep_group.experts_per_rank)
         self.aux_loss_coef = aux_loss_coef
         self.aux_loss = None
         if token_rounding is not None and (not self.router.fused() or bf16_logits):

@@ -152,6 +152,25 @@ class PackedGateUp(torch.nn.Module):
         return w1.to(dtype).contiguous(), w3.to(dtype).contiguous()
 
 
+def init_experts_(weights, std, first_expert=0):
+    """trunc_normal_(0, std) (torch's default cut at +-2, as torchtitan) into each [E_local, ...] weight
+    of `weights`, expert by expert, each from its own generator keyed by (one draw from torch's default
+    generator, the weight's place in `weights`, the global expert index first_expert + i). An expert's
+    values thus do not depend on how the experts are split over ranks: after the same torch seed, rank
+    r's local expert i at E/P experts per rank equals expert r * E/P + i of the one-GPU module, and no two
+    ranks start with equal experts (with one torch generator per rank, every rank drew the same values
+    into its own local experts). Meta tensors are skipped (initialised after to_empty)."""
+    base = int(torch.randint(0, 2**62, (1,)).item())
+    with torch.no_grad():
+        for wi, w in enumerate(weights):
+            if w.device.type == "meta":
+                continue
+            for i in range(w.shape[0]):
+                key = (base * 1_000_003 + (first_expert + i) * len(weights) + wi) % (2**63 - 1)
+                g = torch.Generator(device=w.device).manual_seed(key)
+                torch.nn.init.trunc_normal_(w[i], mean=0.0, std=std, generator=g)
+
+
 class GroupedExperts(PackedGateUp):
     """torchtitan's GroupedExperts parameters: w1 (gate) [E, n, d], w2 [E, d, n], w3 (up) [E, n, d];
     names, shapes and state-dict keys are torchtitan's. pack_gate_up=True: w1 and w3 are views of one
@@ -165,8 +184,15 @@ class GroupedExperts(PackedGateUp):
     gradient. The kernels get the local shards (`_local`: differentiable, the gradient comes back as a
     Shard(0) DTensor). Not with pack_gate_up (a shard's storage is not ours to re-seat)."""
 
-    def __init__(self, dim, hidden_dim, num_experts, pack_gate_up=False, mesh=None):
+    def __init__(self, dim, hidden_dim, num_experts, pack_gate_up=False, mesh=None, first_expert=None):
         super().__init__()
+        # first_expert: the global index of this rank's first expert (init_experts_); with a mesh, the
+        # mesh's local rank * num_experts unless given; without, 0 (all experts here) unless given.
+        if first_expert is None:
+            first_expert = mesh.get_local_rank() * num_experts if mesh is not None else 0
+        if not isinstance(first_expert, int) or first_expert < 0:
+            raise ValueError(f"GroupedExperts: first_expert = {first_expert!r} must be an integer >= 0")
+        self.first_expert = first_expert
         if mesh is not None:
             if mesh.ndim != 1:
                 raise ValueError(f"GroupedExperts: mesh must be 1-D (the expert-parallel group), got {mesh.ndim} dims")
@@ -204,9 +230,9 @@ class GroupedExperts(PackedGateUp):
         """The kernels' [E_local, d, n] second projection in dtype."""
         return self._local(self.w2).to(dtype)
 
+    first_expert = 0  # a class default, so modules pickled before it existed still load
+
     def init_weights(self, std=0.02):
-        # With a mesh, the local shard itself (a DTensor init draws from DTensor's own RNG offsets), so
-        # a rank's experts get the values the plain module gets from the same torch seed.
-        with torch.no_grad():
-            for w in (self.w1, self.w2, self.w3):
-                torch.nn.init.trunc_normal_(self._local(w), mean=0.0, std=std)
+        # With a mesh, the local shard itself (a DTensor init draws from DTensor's own RNG offsets); per
+        # global expert index, so the plain EP module, the mesh one and the one-GPU module agree.
+        init_experts_([self._local(w) for w in (self.w1, self.w2, self.w3)], std, self.first_expert)

@@ -310,6 +310,19 @@ def _dt_worker(rank, world, port, ckpt, q):
         tl = slice(0, T0) if rank == 0 else slice(T0, T0 + T1)
         names = ("w1", "w3", "w2")
 
+        # (0) the same torch seed on every rank: this rank's experts are its slice of a one-process
+        # GroupedExperts (each expert initialised by its global index), so the two ranks' differ.
+        torch.manual_seed(7)
+        lay = ep_a2a.A2AExpertParallel(d, DT["n"], E, mesh=mesh, experts_fn=twin, dtype=torch.float64)
+        torch.manual_seed(7)
+        ref = ep_a2a._sibling("packing").GroupedExperts(d, DT["n"], E).to(torch.float64)
+        ref.init_weights(0.02)
+        El = E // world
+        mine, other = slice(rank * El, (rank + 1) * El), slice((1 - rank) * El, (2 - rank) * El)
+        res["init_by_global_expert"] = all(torch.equal(getattr(lay, k).to_local(), getattr(ref, k).detach()[mine])
+                                           for k in ("w1", "w2", "w3"))
+        res["init_ranks_differ"] = not torch.equal(lay.w1.to_local(), ref.w1.detach()[other])
+
         # (1) the same step through both paths
         plain, dt = _ep_modules(ep_a2a, twin, mesh, 100, rank)
         res["group_is_mesh_group"] = dt.group is mesh.get_group()
@@ -387,6 +400,8 @@ def test_mesh_experts_fwd_bwd_match_plain(dt_results):
     E, n, d = DT["E"], DT["n"], DT["d"]
     for rank, r in dt_results[0]:
         assert r["group_is_mesh_group"] and r["init_equal"], rank
+        assert r["init_by_global_expert"], f"rank {rank}: local experts are not the one-process module's slice"
+        assert r["init_ranks_differ"], f"rank {rank}: its experts equal the other rank's"
         assert r["global_shapes"] == [[E, n, d], [E, n, d], [E, d, n]], r["global_shapes"]
         assert r["local_shapes"] == [[E // 2, n, d], [E // 2, n, d], [E // 2, d, n]], r["local_shapes"]
         assert r["fwd_bwd_bitwise"], f"rank {rank}: out / dx / dscores differ from the plain path"

@@ -211,6 +211,25 @@ def test_mesh_module_dcp_global_and_single_process_load(results):
     assert torch.equal(one.router.gate.weight.detach(), torch.tensor(got[0][1]["router"]))
 
 
+def test_ep_experts_are_the_one_gpu_modules_slice():
+    """After the same torch seed, EP rank r's local experts are experts [r E/P, (r+1) E/P) of the one-GPU
+    module (each initialised by its global index), so ranks differ and EP = P starts where EP = 1 does;
+    the router too. Not with a generator per rank drawing the same values into every rank's experts."""
+    moe = load_moe()
+    d, n, E, K = CFG["d"], CFG["n"], CFG["E"], CFG["K"]
+    torch.manual_seed(5)
+    one = moe.MoE(d, n, E, K)
+    El = E // 2
+    for r in range(2):
+        torch.manual_seed(5)
+        ep = moe.MoE(d, n, E, K, ep_group=FakeEpGroup(r, 2))
+        assert ep.experts.first_expert == r * El
+        for k in ("w1", "w2", "w3"):
+            assert torch.equal(getattr(ep.experts, k), getattr(one.experts, k)[r * El:(r + 1) * El]), (r, k)
+        assert torch.equal(ep.router.gate.weight, one.router.gate.weight)
+    assert not torch.equal(one.experts.w1[:El], one.experts.w1[El:])  # rank 0's experts are not rank 1's
+
+
 def test_ep_mesh_argument_rules():
     moe = load_moe()
 
