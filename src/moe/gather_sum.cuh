@@ -21,6 +21,7 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 
 #include <cuda_bf16.h>
@@ -173,8 +174,25 @@ struct GatherArgs {
   const int32_t* valid;
 };
 
+// Lets the router variants take up to kGatherMaxSlabBytes of dynamic shared memory, once per kernel
+// and device (not per launch: two host threads with different E would race on the attribute).
+template <typename Kernel>
+cudaError_t allow_router_slab(Kernel* kernel) {
+  static std::atomic<uint64_t> done{0};  // bit i: device i (< 64) has the attribute set
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return e;
+  const uint64_t bit = dev < 64 ? uint64_t{1} << dev : 0;
+  if (bit != 0 && (done.load(std::memory_order_acquire) & bit)) return cudaSuccess;
+  e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kGatherMaxSlabBytes));
+  if (e == cudaSuccess) done.fetch_or(bit, std::memory_order_acq_rel);
+  return e;
+}
+
 template <SumKind kKind, int U, int B, int C>
 cudaError_t launch_gather_sum_as(const GatherArgs& a, int sms, cudaStream_t stream) {
+  if (a.d <= 0 || a.d % 8 != 0 || a.T < 0 || sms < 1 || (kKind == SumKind::kRouter && a.E < 1))
+    return cudaErrorInvalidValue;  // whole 16-byte chunks only (the layer's rule is d % 64 == 0)
   if (a.T == 0) return cudaSuccess;  // no token: nothing to write (a grid of 0 blocks would be refused)
   auto* kernel = gather_sum_kernel<kKind, U, B, C>;
   const int64_t vpr = a.d / 8;
@@ -182,16 +200,24 @@ cudaError_t launch_gather_sum_as(const GatherArgs& a, int sms, cudaStream_t stre
   const int slabs = static_cast<int>((vpr + kSlab - 1) / kSlab);
   const size_t smem = kKind == SumKind::kRouter ? static_cast<size_t>(a.E) * kSlab * sizeof(uint4) : 0;
   if (smem > kGatherMaxSlabBytes) return cudaErrorInvalidConfiguration;
+  // A failed query leaves its error as the runtime's last one: cleared, so that a later launch check
+  // elsewhere does not report it under another kernel's name (it is returned here).
   if (smem > 48 * 1024) {
-    const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-    if (e != cudaSuccess) return e;
+    const cudaError_t e = allow_router_slab(kernel);
+    if (e != cudaSuccess) {
+      (void)cudaGetLastError();
+      return e;
+    }
   }
   // About two waves of the resident blocks (registers and, with the router, the W_r slab bound them),
   // each block walking many tokens: with the router the slab's staging (E * 128 * C bytes per block,
   // from L2) is then ~5% of the source bytes at E = 512.
   int per_sm = 0;
   const cudaError_t oe = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kGatherThreads, smem);
-  if (oe != cudaSuccess) return oe;
+  if (oe != cudaSuccess) {
+    (void)cudaGetLastError();
+    return oe;
+  }
   if (per_sm < 1) return cudaErrorInvalidConfiguration;  // the slab does not fit shared memory
   const int64_t want = std::max<int64_t>(1, int64_t{2} * sms * per_sm / slabs);
   const int64_t per_block = int64_t{kSlabTokens} * U;

@@ -1,6 +1,8 @@
-// Memory-bound kernels of the GPU layer (aggregation, dS row sum, dX); the
-// gathers, SwiGLU and dH/A'/dS live in the engine's GEMM loads and epilogues (src/engine). All deterministic: every output element is written by one thread, sums run in a
-// fixed order, no atomics. 16-byte vector accesses (8 bf16); element offsets are 64-bit.
+// Memory-bound kernels of the GPU layer: the dS row sum and the saved-state checks here, and the
+// launches of the gather-sums (aggregation, dX gather-sum: src/moe/gather_sum.cuh); the gathers,
+// SwiGLU and dH/A'/dS live in the engine's GEMM loads and epilogues (src/engine). All deterministic:
+// every output element is written by one thread, sums run in a fixed order, no atomics. 16-byte
+// vector accesses (8 bf16); element offsets are 64-bit.
 //
 // Derivations (row r of expert e, token t = gather[r], score s = scores[scatter[r]]):
 //   forward  a = silu(g) * u with (g, u) = (H[r][2j], H[r][2j+1]); O[t] = sum_k s_k Y[row(t,k)]
@@ -136,10 +138,8 @@ Status gather_sum(GatherStage stage, const GatherArgs& g, int entries_hint, int 
   const std::optional<GatherShape> forced = gather_shape_override();
   const GatherShape pick = gather_shape(stage, entries_hint, g.E);
   cudaError_t e = launch_gather_sum(stage, forced ? *forced : pick, g, sms, stream);
-  if (e == cudaErrorInvalidConfiguration && forced) {  // a forced router slab too large for E: the pick
-    (void)cudaGetLastError();
-    e = launch_gather_sum(stage, pick, g, sms, stream);
-  }
+  // A forced router slab too large for E (refused before any launch, no error recorded): the pick.
+  if (e == cudaErrorInvalidConfiguration && forced) e = launch_gather_sum(stage, pick, g, sms, stream);
   return detail::cuda_status(e, what);
 }
 }  // namespace

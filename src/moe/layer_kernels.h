@@ -34,8 +34,9 @@ Status nan_fill_if_invalid(const int32_t* valid, std::initializer_list<FillSpan>
 // Entries of token t are [token_offset[t], token_offset[t+1]); an entry with rev < 0 is an empty
 // slot (provided routing) and adds nothing.
 // out[t] = sum over entries j of t: scores[j] * Y[rev[j]] (fp32 accumulate, entry order).
-// entries_hint: about how many entries a token has (K); it sets how many tokens a thread sums at
-// once (the loads it keeps in flight) and nothing else: any value gives the same bits.
+// entries_hint: about how many entries a token has (K); it picks the kernel's variant (tokens,
+// entries and 16-byte chunks a thread sums at once: gather_shape.h) and nothing else: any value gives
+// the same bits.
 Status aggregate(const bf16* Y, const float* scores, const int32_t* rev, const int32_t* token_offset, int d,
                  int64_t T, int entries_hint, int sms, bf16* out, cudaStream_t stream);
 // dS[scatter[r]] = sum_j partial[r][j] (j ascending) for grouped rows r < *nnz; rows in [*nnz, rows)

@@ -1,5 +1,7 @@
 // The gather-sums' launch shapes (src/moe/gather_shape.h): every pick is a built variant, the router's
 // W_r slab stays within its budget, the measured picks per entry count, the override's parser.
+#include <string>
+
 #include <gtest/gtest.h>
 
 #include "moe/gather_shape.h"
@@ -55,7 +57,14 @@ TEST(GatherShape, OverrideParser) {
   EXPECT_EQ(g->entries, 2);
   EXPECT_EQ(g->chunks, 2);
   EXPECT_TRUE(k::parse_gather_shape("2x2x1").has_value());
-  for (const char* bad : {"", "1x2", "1x2x3", "1x1x1", "1x2x2 ", "1x2x2x", "a", "-1x4x1", "0x0x0", "4x1x1"})
+  for (const k::GatherShape& b : k::kGatherShapes) {  // every built variant by its name
+    const std::string name = std::to_string(b.tokens) + "x" + std::to_string(b.entries) + "x" + std::to_string(b.chunks);
+    const auto p = k::parse_gather_shape(name.c_str());
+    ASSERT_TRUE(p.has_value()) << name;
+    EXPECT_TRUE(p->tokens == b.tokens && p->entries == b.entries && p->chunks == b.chunks) << name;
+  }
+  for (const char* bad : {"", "1x2", "1x2x3", "1x1x1", "1x2x2 ", " 1x2x2", "+1x2x2", "01x02x02", "1x2x2x", "a",
+                          "-1x4x1", "0x0x0", "4x1x1", "1X2X2"})
     EXPECT_FALSE(k::parse_gather_shape(bad).has_value()) << "'" << bad << "'";
   EXPECT_FALSE(k::parse_gather_shape(nullptr).has_value());
 }

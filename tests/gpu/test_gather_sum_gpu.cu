@@ -99,7 +99,10 @@ void run_case(const Case& cs) {
   for (auto& x : src) x = f_to_bf(static_cast<float>(rng.normal()));
   for (auto& x : wr) x = f_to_bf(static_cast<float>(rng.normal(0.1)));
 
-  DeviceBuffer<uint16_t> d_src(src.size()), d_wr(wr.size()), d_out(std::max<size_t>(1, cs.T * cs.d));
+  // out has a guard band of kGuard elements past T * d: a write past the last token shows there.
+  constexpr size_t kGuard = 4096;
+  const size_t out_n = static_cast<size_t>(cs.T) * cs.d;
+  DeviceBuffer<uint16_t> d_src(src.size()), d_wr(wr.size()), d_out(out_n + kGuard);
   DeviceBuffer<int32_t> d_rev(std::max<int64_t>(R, 1)), d_offs(offs.size()), d_exp(std::max<int64_t>(R, 1)),
       d_zero(1);
   DeviceBuffer<float> d_coef(std::max<int64_t>(R, 1)), d_dxr(std::max<size_t>(1, dxr.size()));
@@ -113,8 +116,8 @@ void run_case(const Case& cs) {
   }
   if (!dxr.empty()) CUDA_OK(d_dxr.upload(dxr));
   CUDA_OK(cudaMemset(d_zero.get(), 0, 4));
-  int sms = 0;
-  CUDA_OK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  int device_sms = 0;
+  CUDA_OK(cudaDeviceGetAttribute(&device_sms, cudaDevAttrMultiProcessorCount, 0));
 
   struct StageRun {
     k::GatherStage stage;
@@ -140,14 +143,20 @@ void run_case(const Case& cs) {
                     reinterpret_cast<bf16*>(d_out.get()),
                     nullptr};
     std::vector<uint16_t> first;
+    // The device's SM count (about one token group per thread), and 1 SM (a grid of a few blocks:
+    // every thread walks many groups of U tokens, t_step apart).
+    for (const int sms : {device_sms, 1})
     for (const k::GatherShape gs : k::kGatherShapes) {
-      SCOPED_TRACE(testing::Message() << "variant " << gs.tokens << "x" << gs.entries << "x" << gs.chunks);
+      SCOPED_TRACE(testing::Message() << "variant " << gs.tokens << "x" << gs.entries << "x" << gs.chunks << " sms "
+                                      << sms);
       CUDA_OK(d_out.poison());
       const bool fits = sr.stage != k::GatherStage::kDxRouter ||
                         static_cast<size_t>(cs.E) * k::kSlabLanes * gs.chunks * k::kChunkBytes <= k::kGatherMaxSlabBytes;
       const cudaError_t e = k::launch_gather_sum(sr.stage, gs, a, sms, 0);
       CUDA_OK(cudaDeviceSynchronize());
-      const std::vector<uint16_t> got = d_out.download();
+      std::vector<uint16_t> got = d_out.download();
+      for (size_t i = out_n; i < got.size(); ++i) ASSERT_EQ(got[i], 0xFFFF) << "wrote past T * d, at " << i - out_n;
+      got.resize(out_n);
       if (!fits || cs.T == 0) {
         EXPECT_EQ(e, cs.T == 0 ? cudaSuccess : cudaErrorInvalidConfiguration);
         for (size_t i = 0; i < got.size(); ++i)
@@ -175,7 +184,8 @@ void run_case(const Case& cs) {
     CUDA_OK(d_out.poison());
     k::GatherArgs a{reinterpret_cast<const bf16*>(d_src.get()), d_rev.get(), d_offs.get(), nullptr, d_exp.get(),
                     nullptr, nullptr, cs.d, cs.T, cs.E, reinterpret_cast<bf16*>(d_out.get()), d_zero.get()};
-    CUDA_OK(k::launch_gather_sum(k::GatherStage::kDx, k::gather_shape(k::GatherStage::kDx, cs.K, cs.E), a, sms, 0));
+    CUDA_OK(k::launch_gather_sum(k::GatherStage::kDx, k::gather_shape(k::GatherStage::kDx, cs.K, cs.E), a,
+                                 device_sms, 0));
     CUDA_OK(cudaDeviceSynchronize());
     const std::vector<uint16_t> got = d_out.download();
     for (size_t i = 0; i < got.size(); ++i) ASSERT_EQ(got[i], 0xFFFF) << "valid = 0 wrote element " << i;
@@ -185,10 +195,34 @@ void run_case(const Case& cs) {
 }  // namespace
 
 TEST(GpuGatherSum, EveryVariantAgainstFloat64Twin) {
-  run_case({37, 64, 1, 8, false});        // K = 1, one slab, fewer tokens than a block pass
+  run_case({37, 64, 1, 8, false});        // K = 1, one slab, a partial second token pass
   run_case({1000, 2880, 2, 32, true});    // d / 8 = 360: partial slabs at C = 2, 4, 8; ragged counts
   run_case({513, 1088, 3, 512, true});    // E = 512: router slabs of 128 KB (C = 2) fit, 256 KB (C >= 4) refused
   run_case({300, 256, 16, 64, true});     // K = 16: entry batches past the first, empty slots
-  run_case({4097, 512, 8, 128, false});   // many block passes per thread
+  run_case({4097, 512, 8, 128, false});   // at 1 SM, ~4 blocks a slab: ~30 token groups per thread
   run_case({0, 512, 4, 16, false});       // T = 0: nothing launched, nothing written
+}
+
+TEST(GpuGatherSum, BadLaunchArgumentsRefusedBeforeAnyWrite) {
+  DeviceBuffer<uint16_t> out(64 * 8);
+  DeviceBuffer<int32_t> offs(2);
+  CUDA_OK(offs.upload({0, 0}));
+  CUDA_OK(out.poison());
+  auto args = [&](int d, int64_t T, int E) {
+    return k::GatherArgs{reinterpret_cast<const bf16*>(out.get()), offs.get(), offs.get(), nullptr, offs.get(),
+                         reinterpret_cast<const bf16*>(out.get()), nullptr, d, T, E,
+                         reinterpret_cast<bf16*>(out.get()), nullptr};
+  };
+  const k::GatherShape g{1, 4, 1};
+  EXPECT_EQ(k::launch_gather_sum(k::GatherStage::kDx, g, args(60, 1, 8), 132, 0), cudaErrorInvalidValue);   // d % 8
+  EXPECT_EQ(k::launch_gather_sum(k::GatherStage::kDx, g, args(0, 1, 8), 132, 0), cudaErrorInvalidValue);    // d = 0
+  EXPECT_EQ(k::launch_gather_sum(k::GatherStage::kDx, g, args(64, -1, 8), 132, 0), cudaErrorInvalidValue);  // T < 0
+  EXPECT_EQ(k::launch_gather_sum(k::GatherStage::kDx, g, args(64, 1, 8), 0, 0), cudaErrorInvalidValue);     // no SM
+  EXPECT_EQ(k::launch_gather_sum(k::GatherStage::kDxRouter, g, args(64, 1, 0), 132, 0), cudaErrorInvalidValue);  // E
+  EXPECT_EQ(k::launch_gather_sum(k::GatherStage::kDx, k::GatherShape{3, 3, 3}, args(64, 1, 8), 132, 0),
+            cudaErrorInvalidValue);  // not a built variant
+  CUDA_OK(cudaDeviceSynchronize());
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);  // refusals leave no error behind
+  const auto got = out.download();
+  for (size_t i = 0; i < got.size(); ++i) ASSERT_EQ(got[i], 0xFFFF) << "a refused launch wrote element " << i;
 }
