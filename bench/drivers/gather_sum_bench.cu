@@ -230,9 +230,9 @@ int main(int argc, char** argv) {
             e = k::launch_gather_sum(gst, gs, ga, sms, 0);
           SMOE_CUDA_OR_EXIT(e);
         };
-        if (vi >= 0 && stage == 2 && static_cast<size_t>(s.E) * k::kSlabLanes * gs.chunks * 16 > k::kGatherMaxSlabBytes) {
-          std::printf("  %-10s %dx%dx%d   W_r slab of %d KB: not launchable\n", name, gs.tokens, gs.entries, gs.chunks,
-                      s.E * k::kSlabLanes * gs.chunks * 16 / 1024);
+        if (vi >= 0 && stage == 2 && k::router_slab_bytes(s.E, gs.chunks) > k::kGatherMaxSlabBytes) {
+          std::printf("  %-10s %dx%dx%d   W_r slab of %zu KB: not launchable\n", name, gs.tokens, gs.entries, gs.chunks,
+                      k::router_slab_bytes(s.E, gs.chunks) / 1024);
           continue;
         }
         SMOE_CUDA_OR_EXIT(cudaMemset(d_out, 0xff, out_n * 2));  // poison: every element must be written

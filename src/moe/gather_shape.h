@@ -39,6 +39,10 @@ enum class GatherStage { kAggregate, kDx, kDxRouter };
 // resident per SM (E = 512 at C = 1: 64 KB).
 constexpr size_t kGatherMaxSlabBytes = 226 * 1024;
 constexpr size_t kGatherPickSlabBytes = 64 * 1024;
+// The slab's bytes: E rows of W_r, kSlabLanes * chunks 16-byte chunks each.
+constexpr size_t router_slab_bytes(int E, int chunks) {
+  return static_cast<size_t>(E) * kSlabLanes * chunks * kChunkBytes;
+}
 
 // Measured on the H100 (gather_sum_bench, 15 shapes, every variant against the kernel before them,
 // bench/results/h100/gather_sum.md): K = 1 runs 4 chunks per thread (one index chain for 64 bytes:
@@ -49,7 +53,7 @@ inline GatherShape gather_shape(GatherStage stage, int entries_per_token, int E)
                   : entries_per_token <= 2 ? GatherShape{1, 2, 2}
                                            : GatherShape{1, 4, 1};
   if (stage == GatherStage::kDxRouter) {
-    while (g.chunks > 1 && static_cast<size_t>(E) * kSlabLanes * g.chunks * kChunkBytes > kGatherPickSlabBytes)
+    while (g.chunks > 1 && router_slab_bytes(E, g.chunks) > kGatherPickSlabBytes)
       g.chunks /= 2;
     // Down to one chunk (K <= 2 with the router at E > 256), two tokens of two entries: 75-86% of a
     // copy at K <= 2 where 1 x 4 x 1 ran 71-85% (1 x 1 x 1 and 1 x 2 x 1 are not built). Two chunks

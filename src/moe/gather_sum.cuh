@@ -198,7 +198,7 @@ cudaError_t launch_gather_sum_as(const GatherArgs& a, int sms, cudaStream_t stre
   const int64_t vpr = a.d / 8;
   constexpr int kSlab = kSlabLanes * C;
   const int slabs = static_cast<int>((vpr + kSlab - 1) / kSlab);
-  const size_t smem = kKind == SumKind::kRouter ? static_cast<size_t>(a.E) * kSlab * sizeof(uint4) : 0;
+  const size_t smem = kKind == SumKind::kRouter ? router_slab_bytes(a.E, C) : 0;
   if (smem > kGatherMaxSlabBytes) return cudaErrorInvalidConfiguration;
   // A failed query leaves its error as the runtime's last one: cleared, so that a later launch check
   // elsewhere does not report it under another kernel's name (it is returned here).

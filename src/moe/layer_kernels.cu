@@ -14,7 +14,6 @@
 //            dS[t,k] = <dO[t], Y[r]> = <dO[t], a W2_e^T> = <dO[t] W2_e, a> = <dA'[r], a>
 //   router   dlogits: src/routing/router_backward.cu
 //            dX[t] += sum_k dlogit_k W_r[e_k]  (only K non-zeros per token: a sparse sum)
-#include <algorithm>
 #include <cstdint>
 
 #include <cuda_bf16.h>

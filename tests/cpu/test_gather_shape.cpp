@@ -26,7 +26,7 @@ TEST(GatherShape, EveryPickIsBuiltAndItsSlabFits) {
         ASSERT_TRUE(built(g)) << "stage " << static_cast<int>(st) << " K " << K << " E " << E << ": " << g.tokens
                               << "x" << g.entries << "x" << g.chunks;
         if (st == k::GatherStage::kDxRouter)
-          EXPECT_LE(static_cast<size_t>(E) * k::kSlabLanes * g.chunks * k::kChunkBytes, k::kGatherPickSlabBytes)
+          EXPECT_LE(k::router_slab_bytes(E, g.chunks), k::kGatherPickSlabBytes)
               << "K " << K << " E " << E;
         // Never one row load per index chain again (the schedule the variants replaced at K <= 2):
         // two chunks, or two tokens, or 4 entries.

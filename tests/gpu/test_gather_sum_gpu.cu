@@ -151,7 +151,7 @@ void run_case(const Case& cs) {
                                       << sms);
       CUDA_OK(d_out.poison());
       const bool fits = sr.stage != k::GatherStage::kDxRouter ||
-                        static_cast<size_t>(cs.E) * k::kSlabLanes * gs.chunks * k::kChunkBytes <= k::kGatherMaxSlabBytes;
+                        k::router_slab_bytes(cs.E, gs.chunks) <= k::kGatherMaxSlabBytes;
       const cudaError_t e = k::launch_gather_sum(sr.stage, gs, a, sms, 0);
       CUDA_OK(cudaDeviceSynchronize());
       std::vector<uint16_t> got = d_out.download();
