@@ -175,16 +175,20 @@ struct GatherArgs {
 };
 
 // Lets the router variants take up to kGatherMaxSlabBytes of dynamic shared memory, once per kernel
-// and device (not per launch: two host threads with different E would race on the attribute).
-template <typename Kernel>
-cudaError_t allow_router_slab(Kernel* kernel) {
+// and device (not per launch: two host threads with different E would race on the attribute). The
+// flag is per instantiation: every variant has the same function type, so a flag keyed on that type
+// would be shared, and the first variant to set its attribute would make the others skip theirs
+// (caught on the H100: 2x2x1 refused at E = 512 after 1x4x1 had run).
+template <SumKind kKind, int U, int B, int C>
+cudaError_t allow_router_slab() {
   static std::atomic<uint64_t> done{0};  // bit i: device i (< 64) has the attribute set
   int dev = 0;
   cudaError_t e = cudaGetDevice(&dev);
   if (e != cudaSuccess) return e;
   const uint64_t bit = dev < 64 ? uint64_t{1} << dev : 0;
   if (bit != 0 && (done.load(std::memory_order_acquire) & bit)) return cudaSuccess;
-  e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kGatherMaxSlabBytes));
+  e = cudaFuncSetAttribute(gather_sum_kernel<kKind, U, B, C>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           static_cast<int>(kGatherMaxSlabBytes));
   if (e == cudaSuccess) done.fetch_or(bit, std::memory_order_acq_rel);
   return e;
 }
@@ -203,7 +207,7 @@ cudaError_t launch_gather_sum_as(const GatherArgs& a, int sms, cudaStream_t stre
   // A failed query leaves its error as the runtime's last one: cleared, so that a later launch check
   // elsewhere does not report it under another kernel's name (it is returned here).
   if (smem > 48 * 1024) {
-    const cudaError_t e = allow_router_slab(kernel);
+    const cudaError_t e = allow_router_slab<kKind, U, B, C>();
     if (e != cudaSuccess) {
       (void)cudaGetLastError();
       return e;
