@@ -22,6 +22,10 @@ namespace smoe {
 namespace engine {
 
 bool store_streaming() { return overrides().store_streaming; }
+int varlen_m_n_band(int n_tiles) {
+  const int b = overrides().n_band;
+  return b > 0 && b < n_tiles ? b : n_tiles;
+}
 
 namespace {
 

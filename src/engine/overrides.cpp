@@ -1,5 +1,6 @@
 #include "engine/overrides.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <initializer_list>
@@ -42,6 +43,7 @@ Overrides parse_overrides(const char* (*lookup)(const char*)) {
   if (const char* v = lookup("SMOE_ENGINE_STAGED_STORE"); v != nullptr && v[0] != '\0')
     o.staged_store = is(v, "2") ? 2 : is(v, "0") ? 0 : 1;
   o.store_streaming = !is(lookup("SMOE_ENGINE_STORE_CS"), "0");
+  if (const char* v = lookup("SMOE_ENGINE_N_BAND")) o.n_band = std::max(0, std::atoi(v));
   const char* p = lookup("SMOE_ENGINE_PRINT");
   o.print = p != nullptr && p[0] != '\0' && p[0] != '0';
   o.tune = !is(lookup("SMOE_ENGINE_TUNE"), "0");
