@@ -39,7 +39,8 @@
 #             bench/reports/heuristic_fit.py -> $OUT/tune/heuristic_fit.md (this build's heuristic against
 #             every key's measured candidates; bench/results/h100/)
 #   ncu       Nsight Compute on one forward + backward of bench_layer per config of NCU_CONFIGS
-#             (OLMoE-7B): SpeedOfLight, WarpStateStats, Occupancy; bench/reports/ncu_summary.py
+#             (OLMoE-7B; names from NCU_CONFIGS_FILE, bench/configs/configs.json: e.g.
+#             bench/configs/wide_configs.json): SpeedOfLight, WarpStateStats, Occupancy; bench/reports/ncu_summary.py
 #             makes one line per kernel. NCU_TIMEOUT (240 s), NCU_ENV (VAR=value words for the
 #             run), NCU_LAUNCHES (60), NCU_KERNEL (regex on the demangled name), NCU_SECTIONS
 #             (more sections; their details page too), NCU_FLAGS (e.g. '--clock-control none'),
@@ -422,7 +423,8 @@ step_ncu() {
     # shellcheck disable=SC2086  # NCU_ENV: VAR=value words
     xt -a "$d/ncu_$tag.log" "${NCU_TIMEOUT:-240}" env ${NCU_ENV:-} ncu -f -o "$rep/ncu_$tag" \
       --section SpeedOfLight --section WarpStateStats --section Occupancy ${extra[@]+"${extra[@]}"} \
-      --launch-count "${NCU_LAUNCHES:-60}" "$BUILD/bench_layer" --only "$cfg" --warmup 0 --reps 1 || rc=1
+      --launch-count "${NCU_LAUNCHES:-60}" "$BUILD/bench_layer" --configs "${NCU_CONFIGS_FILE:-bench/configs/configs.json}" \
+      --only "$cfg" --warmup 0 --reps 1 || rc=1
     # The raw page: every collected metric as a column, one row per kernel.
     x -o "$d/ncu_$tag.csv" ncu --import "$rep/ncu_$tag.ncu-rep" --csv --page raw || rc=1
     x -o "$d/ncu_$tag.md" python3 bench/reports/ncu_summary.py "$d/ncu_$tag.csv" || rc=1
