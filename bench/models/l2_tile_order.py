@@ -1,0 +1,139 @@
+#!/usr/bin/env python3
+"""A model, not a measurement: DRAM reads of a gathered varlen-M GEMM under tile orders, from an LRU
+model of L2 fed the tiles' operand accesses in the order the persistent scheduler hands them out.
+
+  python3 bench/models/l2_tile_order.py --case dA-1.4B --l2-mb 50 --orders default,block16,block32
+  python3 bench/models/l2_tile_order.py --case up-E16K1 --orders default,band4,band8,band16
+
+What it models (tile_scheduler.cuh, tile_order.h): experts' rows in ascending token order (routing's
+stable sort), tiles of BM = 128 rows x BN columns; a tile reads its BM gathered source rows (one key per
+token: 2 d bytes) and its weight tile (one key per (expert, N-tile): d x BN x 2 bytes), then streams
+its outputs (and dA''s H) through L2: `--stream` 1 inserts those bytes as never-reused keys (they
+occupy L2 as plain loads / stores would), 0 leaves them out (evict-first taken as free). Tiles in one
+wave run concurrently on the GPU; the model takes them in index order, which is the same while a
+wave's working set fits.
+
+Orders: `default` (expert, M-tile, N-tile innermost: the kernels today); `bandW` (docs/wip/
+n_band_tile_order.patch: an expert's N-tiles in bands of W, M-tiles inside a band); `blockG` (not
+built: experts in blocks of G, a block's M-tiles walked in rounds, round j = M-tile j of each of its
+experts, so that a token's experts inside a block run close in time).
+
+Cases (shapes of bench/configs): dA-1.4B (dA' of 1.4B n256 E128 K8: dO gathered, N = n = 256, BN 128),
+up-1.4B (its up-proj: x gathered, N = 2n = 512), up-E16K1 (wide E16 K1 n8192 d4096's up-proj: N = 16384).
+Calibrate with --case dA-1.4B --orders default against ncu's dram__bytes_read.sum of that kernel:
+818 MB on the H200, 849 MB on the H100 (bench/results/h200/dswiglu_prefetch_ab.md).
+"""
+
+import argparse
+import collections
+import random
+
+CASES = {
+    # name: (T, d, n, E, K, N of the GEMM, BN, stream bytes per row per N-column, extra compulsory read per row per N-column)
+    "dA-1.4B": dict(T=40960, d=768, E=128, K=8, N=256, BN=128, stream_read=4, stream_write=6),
+    "up-1.4B": dict(T=40960, d=768, E=128, K=8, N=512, BN=128, stream_read=0, stream_write=3),
+    "dA-7B": dict(T=24576, d=1536, E=128, K=8, N=256, BN=128, stream_read=4, stream_write=6),
+    "up-E16K1": dict(T=16384, d=4096, E=16, K=1, N=16384, BN=128, stream_read=0, stream_write=3),
+}
+
+
+def route(T, E, K, rng):
+    """Rows of each expert: its tokens in ascending order (K distinct experts per token, uniform)."""
+    rows = [[] for _ in range(E)]
+    experts = range(E)
+    for t in range(T):
+        for e in rng.sample(experts, K):
+            rows[e].append(t)
+    return rows
+
+
+def tiles(rows, n_tiles, order, BM=128):
+    """(expert, first row index inside the expert, N-tile) in the scheduler's order."""
+    E = len(rows)
+    units = [(len(r) + BM - 1) // BM for r in rows]
+    if order == "default":
+        for e in range(E):
+            for u in range(units[e]):
+                for nt in range(n_tiles):
+                    yield e, u, nt
+    elif order.startswith("band"):
+        W = int(order[4:])
+        for e in range(E):
+            for n0 in range(0, n_tiles, W):
+                for u in range(units[e]):
+                    for nt in range(n0, min(n0 + W, n_tiles)):
+                        yield e, u, nt
+    elif order.startswith("block"):
+        G = int(order[5:])
+        for e0 in range(0, E, G):
+            block = range(e0, min(e0 + G, E))
+            for j in range(max(units[e] for e in block)):
+                for e in block:
+                    if j < units[e]:
+                        for nt in range(n_tiles):
+                            yield e, j, nt
+    else:
+        raise SystemExit(f"unknown order {order}")
+
+
+def simulate(case, order, l2_bytes, stream, seed=0, BM=128):
+    c = CASES[case]
+    rng = random.Random(seed)
+    rows = route(c["T"], c["E"], c["K"], rng)
+    d, BN = c["d"], c["BN"]
+    n_tiles = c["N"] // BN
+    row_bytes = 2 * d
+    w_bytes = d * BN * 2
+    lru = collections.OrderedDict()
+    held = 0
+    reads = {"x": 0, "w": 0, "stream": 0}
+    uniq = [0]
+
+    def touch(key, size, kind):
+        nonlocal held
+        if key in lru:
+            lru.move_to_end(key)
+            return
+        if kind:
+            reads[kind] += size
+        lru[key] = size
+        held += size
+        while held > l2_bytes:
+            _, s = lru.popitem(last=False)
+            held -= s
+
+    for e, u, nt in tiles(rows, n_tiles, order, BM):
+        toks = rows[e][u * BM:(u + 1) * BM]
+        for t in toks:
+            touch(("x", t), row_bytes, "x")
+        touch(("w", e, nt), w_bytes, "w")
+        per_row = BN * (c["stream_read"] + c["stream_write"])
+        if c["stream_read"]:
+            reads["stream"] += len(toks) * BN * c["stream_read"]
+        if stream and per_row:
+            uniq[0] += 1
+            touch(("s", uniq[0]), len(toks) * per_row, None)
+    R = sum(len(r) for r in rows)
+    compulsory = c["T"] * row_bytes + c["E"] * n_tiles * w_bytes + R * BN * n_tiles * c["stream_read"]
+    return reads, compulsory
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--case", choices=sorted(CASES), required=True)
+    p.add_argument("--orders", default="default")
+    p.add_argument("--l2-mb", type=float, default=50)
+    p.add_argument("--stream", type=int, default=1, choices=(0, 1))
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args()
+    print(f"| case | order | L2 MB | streams in L2 | source rows MB | weights MB | streamed reads MB | total reads MB | compulsory MB |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for order in a.orders.split(","):
+        reads, comp = simulate(a.case, order, a.l2_mb * 1e6, a.stream, a.seed)
+        tot = sum(reads.values())
+        print(f"| {a.case} | {order} | {a.l2_mb:g} | {a.stream} | {reads['x'] / 1e6:.0f} | {reads['w'] / 1e6:.0f} | "
+              f"{reads['stream'] / 1e6:.0f} | {tot / 1e6:.0f} | {comp / 1e6:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
