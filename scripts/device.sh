@@ -68,6 +68,16 @@
 #   gather    the gather-sums alone: $BUILD/gather_sum_bench (every built variant against the kernel
 #             before them and a copy; GATHER_SHAPES=T:d:K:E,... replaces its shapes, GATHER_REPS 20)
 #             -> $OUT/gather/gather_sum.{json,txt} (bench/results/h100/gather_sum.md)
+#   ab        a same-call layer A/B (run after build: the build is side A). AB_PATCH (e.g.
+#             docs/wip/<name>.patch): applied, rebuilt as side B, AB_TEST_FILTER run on it, then
+#             reverted in the tree ($BUILD keeps side B); without it B is A's binary (env A/Bs).
+#             AB_VARIANTS: side B's runs, 'name:VAR=v VAR2=w;name2:...' (default 'b:'); AB_ENV_A: side
+#             A's VAR=value words. layer_digest of A and of the first variant must match bitwise
+#             (AB_DIGEST=0: not compared). Then AB_ROUNDS (3) interleaved rounds (A, each variant) of
+#             bench_layer over each configs file stem of AB_CONFIGS (default "configs wide_configs":
+#             bench/configs/<stem>.json), SMOE_ENGINE_TUNE=0, AB_WARMUP (2), AB_REPS (8),
+#             AB_TIMEOUT (150 s a pass) -> $OUT/ab/<side>_<stem>_<round>.json, then
+#             bench/reports/layer_ab.py per variant and stem -> $OUT/ab/ab_<variant>_<stem>.{json,md}
 #
 # Output: every step prints a header and a few summary lines here, logs everything to
 # $OUT/<step>.log and puts its other files in $OUT/<step>/. OUT defaults to ./device_out (the
@@ -92,7 +102,7 @@ cd "$ROOT"
 # shellcheck source=versions.env
 source scripts/versions.env
 
-ALL_STEPS="build test sanitize bench tune sonic ncu ep pytest digest gather"
+ALL_STEPS="build test sanitize bench tune sonic ncu ep pytest digest gather ab"
 OUT="${OUT:-$ROOT/device_out}"
 BUILD="${BUILD:-build}"
 DRY="${DEVICE_DRY_RUN:-0}"
@@ -556,6 +566,75 @@ step_gather() {
     --reps "${GATHER_REPS:-20}" ${GATHER_SHAPES:+--shapes "$GATHER_SHAPES"} --out "$d/gather_sum.json"
 }
 summary_gather() { [ -s "$OUT/gather/gather_sum.txt" ] && grep -E "^T |chosen|checked|DIFFERS|WRONG" "$OUT/gather/gather_sum.txt" | head -40; }
+
+step_ab() {
+  need_bin bench_layer ab || return 1
+  local d="$OUT/ab" rc=0 a_bin="$STATE/bench_a" b_bin="$BUILD/bench_layer" digest=0
+  local w="${AB_WARMUP:-2}" r="${AB_REPS:-8}" t="${AB_TIMEOUT:-150}" i stem v name vars f
+  local variants=() names=()
+  IFS=';' read -r -a variants <<<"${AB_VARIANTS:-b:}"
+  for v in "${variants[@]}"; do
+    name=${v%%:*}
+    case "$name" in ''|a|*[!A-Za-z0-9_-]*) say "AB_VARIANTS: bad name '$name' in '$v' (letters, digits, _ and -; not 'a')"; return 1 ;; esac
+    names+=("$name")
+  done
+  mkdir -p "$d"
+  x cp "$BUILD/bench_layer" "$a_bin" || return 1
+  if [ "${AB_DIGEST:-1}" != 0 ] && { dry || [ -x "$BUILD/layer_digest" ]; }; then
+    digest=1
+    x cp "$BUILD/layer_digest" "$STATE/digest_a" || return 1
+  fi
+  if [ -n "${AB_PATCH:-}" ]; then
+    x git apply "$AB_PATCH" || { say "AB_PATCH $AB_PATCH does not apply"; return 1; }
+    x cmake --build "$BUILD" -j "$(nproc)" || { x git apply -R "$AB_PATCH"; return 1; }
+    if [ -n "${AB_TEST_FILTER:-}" ]; then
+      xt -a "$d/test_b.log" "${TEST_TIMEOUT:-400}" "$BUILD/test_gpu" --gtest_filter="$AB_TEST_FILTER" || rc=1
+      dry || grep -E "^\[  (PASSED|FAILED) " "$d/test_b.log"
+    fi
+    x git apply -R "$AB_PATCH" || rc=1  # the tree as it was; $BUILD keeps side B
+  fi
+  local env_a=() env_b=()
+  read -r -a env_a <<<"${AB_ENV_A:-}"
+  if [ "$digest" = 1 ]; then
+    read -r -a env_b <<<"${variants[0]#*:}"
+    xt -o "$d/digest_a.txt" 300 env ${env_a[@]+"${env_a[@]}"} "$STATE/digest_a" || rc=1
+    xt -o "$d/digest_b.txt" 300 env ${env_b[@]+"${env_b[@]}"} "$BUILD/layer_digest" || rc=1
+    if ! dry; then
+      if cmp -s "$d/digest_a.txt" "$d/digest_b.txt"; then say "digest: ${names[0]} == a (bitwise)"
+      else say "digest: ${names[0]} DIFFERS from a"; diff "$d/digest_a.txt" "$d/digest_b.txt" | head -8; rc=1; fi
+    fi
+  fi
+  for i in $(seq 1 "${AB_ROUNDS:-3}"); do
+    for stem in ${AB_CONFIGS:-configs wide_configs}; do
+      f="bench/configs/$stem.json"
+      xt -a "$d/a_${stem}_$i.log" "$t" env SMOE_ENGINE_TUNE=0 ${env_a[@]+"${env_a[@]}"} "$a_bin" --configs "$f" \
+        --warmup "$w" --reps "$r" --commit "$COMMIT" --out "$d/a_${stem}_$i.json" || rc=1
+      for v in "${variants[@]}"; do
+        name=${v%%:*}; vars=${v#*:}; env_b=()
+        read -r -a env_b <<<"$vars"
+        xt -a "$d/${name}_${stem}_$i.log" "$t" env SMOE_ENGINE_TUNE=0 ${env_b[@]+"${env_b[@]}"} "$b_bin" \
+          --configs "$f" --warmup "$w" --reps "$r" --commit "$COMMIT" --out "$d/${name}_${stem}_$i.json" || rc=1
+      done
+    done
+  done
+  local gpu="GPU"
+  dry || gpu="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)"
+  for stem in ${AB_CONFIGS:-configs wide_configs}; do
+    for name in "${names[@]}"; do
+      local fa="" fb=""
+      for i in $(seq 1 "${AB_ROUNDS:-3}"); do fa+="$d/a_${stem}_$i.json,"; fb+="$d/${name}_${stem}_$i.json,"; done
+      x python3 bench/reports/layer_ab.py --a "a=$fa" --b "$name=$fb" --commit "$COMMIT${AB_PATCH:+ + $AB_PATCH}" \
+        --device "$gpu" --command "scripts/device.sh ab (AB_PATCH=${AB_PATCH:-} AB_VARIANTS=${AB_VARIANTS:-b:} AB_ENV_A=${AB_ENV_A:-}), $stem, ${AB_ROUNDS:-3} rounds, --warmup $w --reps $r" \
+        --out "$d/ab_${name}_${stem}.json" --md "$d/ab_${name}_${stem}.md" || rc=1
+    done
+  done
+  return $rc
+}
+summary_ab() {
+  grep -E "^digest: |^\[  (PASSED|FAILED) |does not apply|timed out|bad name" "$1" | head -12
+  local f
+  for f in "$OUT"/ab/ab_*.md; do [ -f "$f" ] && say "${f#"$OUT"/}: $(grep -m1 '^Geomean' "$f")"; done
+}
 
 # ---- run -----------------------------------------------------------------------------------------
 pack_out() {  # $OUT/00-all.tgz: everything under $OUT (the device tool returns 8 files at most)

@@ -1,0 +1,66 @@
+"""scripts/device.sh ab on the CPU with stand-in binaries: side A is the build's bench_layer, each
+variant of AB_VARIANTS runs side B with its environment, the digests are compared, and layer_ab.py
+reports every variant per configs file."""
+import json
+import os
+import pathlib
+import stat
+import subprocess
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+FAKE_BENCH = r'''#!/usr/bin/env python3
+import json, os, sys
+a = dict(zip(sys.argv[1::2], sys.argv[2::2]))
+cfgs = json.load(open(a["--configs"]))
+speed = float(os.environ.get("FAKE_SPEED", "1"))  # side B's variants set it through AB_VARIANTS
+res = [{"config": c, "systems": {"ours": {"fwd_ms": 1.0 / speed, "bwd_ms": 2.0 / speed}},
+        "kernels": {"bwd.dW1_ms": 0.5, "bwd.dW2_ms": 0.25}} for c in cfgs]
+json.dump({"commit": a.get("--commit", "?"), "results": res}, open(a["--out"], "w"))
+'''
+
+
+def write_exe(path, text):
+    path.write_text(text)
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+
+
+def run_ab(tmp_path, digest_b_text, **env):
+    build = tmp_path / "build"
+    build.mkdir(exist_ok=True)
+    write_exe(build / "bench_layer", FAKE_BENCH)
+    # layer_digest: prints what the test says (`$0`: its own path, which differs between side A's copy
+    # and the build's).
+    write_exe(build / "layer_digest", f'#!/usr/bin/env bash\necho "{digest_b_text}"\n')
+    out = tmp_path / "out"
+    e = dict(os.environ, BUILD=str(build), OUT=str(out), AB_CONFIGS="smoke_configs", AB_ROUNDS="2",
+             SMOE_COMMIT="test", **env)
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "device.sh"), "ab"], cwd=ROOT, env=e,
+                       capture_output=True, text=True, timeout=120)
+    return r, out / "ab"
+
+
+def test_variants_reach_side_b_and_are_reported(tmp_path):
+    r, d = run_ab(tmp_path, "x 1", AB_VARIANTS="same:;fast:FAKE_SPEED=1.25")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "digest: same == a (bitwise)" in r.stdout
+    same = json.loads((d / "ab_same_smoke_configs.json").read_text())
+    fast = json.loads((d / "ab_fast_smoke_configs.json").read_text())
+    assert abs(same["summary"]["geomean"] - 1.0) < 1e-9
+    assert abs(fast["summary"]["geomean"] - 1.25) < 1e-9
+    assert len(list(d.glob("a_smoke_configs_*.json"))) == 2
+    assert "Geomean speedup 1.250" in (d / "ab_fast_smoke_configs.md").read_text()
+
+
+def test_differing_digest_fails_the_step(tmp_path):
+    # Side A's digest binary is the build's copy taken first: make the build's differ afterwards by
+    # having the stand-in print its own path (side A runs from the copy, B from the build).
+    r, _ = run_ab(tmp_path, "x $0")
+    assert r.returncode == 1
+    assert "digest: b DIFFERS from a" in r.stdout
+
+
+def test_bad_variant_name_is_refused(tmp_path):
+    r, _ = run_ab(tmp_path, "x 1", AB_VARIANTS="a:FOO=1")
+    assert r.returncode == 1
+    assert "bad name 'a'" in r.stdout
