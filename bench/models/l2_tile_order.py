@@ -6,12 +6,12 @@ model of L2 fed the tiles' operand accesses in the order the persistent schedule
   python3 bench/models/l2_tile_order.py --case up-E16K1 --orders default,band4,band8,band16
 
 What it models (tile_scheduler.cuh, tile_order.h): experts' rows in ascending token order (routing's
-stable sort), tiles of BM = 128 rows x BN columns; a tile reads its BM gathered source rows (one key per
-token: 2 d bytes) and its weight tile (one key per (expert, N-tile): d x BN x 2 bytes), then streams
-its outputs (and dA''s H) through L2: `--stream` 1 inserts those bytes as never-reused keys (they
-occupy L2 as plain loads / stores would), 0 leaves them out (evict-first taken as free). Tiles in one
-wave run concurrently on the GPU; the model takes them in index order, which is the same while a
-wave's working set fits.
+stable sort), tiles of BM = 128 rows x BN columns, run in waves of --sms tiles (the persistent grid:
+tile t on CTA t % sms); a wave's tiles go through the reduction in step, K-slice by K-slice (64
+columns: each tile's BM source rows, keyed per token so that a token's K experts share them, and its
+weight slice BN x 64), then stream their outputs (and dA''s H) through L2: `--stream` 1 inserts those
+bytes as never-reused keys (they occupy L2 as plain loads / stores would), 0 leaves them out
+(evict-first taken as free).
 
 Orders: `default` (expert, M-tile, N-tile innermost: the kernels today); `bandW` (docs/wip/
 n_band_tile_order.patch: an expert's N-tiles in bands of W, M-tiles inside a band); `blockG` (not
@@ -19,7 +19,8 @@ built: experts in blocks of G, a block's M-tiles walked in rounds, round j = M-t
 experts, so that a token's experts inside a block run close in time).
 
 Cases (shapes of bench/configs): dA-1.4B (dA' of 1.4B n256 E128 K8: dO gathered, N = n = 256, BN 128),
-up-1.4B (its up-proj: x gathered, N = 2n = 512), up-E16K1 (wide E16 K1 n8192 d4096's up-proj: N = 16384).
+up-1.4B (its up-proj: x gathered, N = 2n = 512), dA-7B (7B n256 E128 K8), up-E16K1 (wide E16 K1 n8192
+d4096's up-proj: N = 16384), up-DSV3 (DeepSeek-V3.2's up-proj, BN 256; use --tile-keys).
 Calibrate with --case dA-1.4B --orders default against ncu's dram__bytes_read.sum of that kernel:
 818 MB on the H200, 849 MB on the H100 (bench/results/h200/dswiglu_prefetch_ab.md).
 """
@@ -34,6 +35,7 @@ CASES = {
     "up-1.4B": dict(T=40960, d=768, E=128, K=8, N=512, BN=128, stream_read=0, stream_write=3),
     "dA-7B": dict(T=24576, d=1536, E=128, K=8, N=256, BN=128, stream_read=4, stream_write=6),
     "up-E16K1": dict(T=16384, d=4096, E=16, K=1, N=16384, BN=128, stream_read=0, stream_write=3),
+    "up-DSV3": dict(T=32768, d=7168, E=256, K=8, N=4096, BN=256, stream_read=0, stream_write=3),
 }
 
 
@@ -76,14 +78,18 @@ def tiles(rows, n_tiles, order, BM=128):
         raise SystemExit(f"unknown order {order}")
 
 
-def simulate(case, order, l2_bytes, stream, seed=0, BM=128):
+def simulate(case, order, l2_bytes, stream, seed=0, BM=128, sms=132, BK=64, tile_keys=False):
+    """Reads by kind ({'x', 'w', 'stream'}: bytes) and the compulsory bytes. Tiles run in waves of
+    `sms` (the persistent grid), a wave's tiles in step through the reduction: K-slice k of every
+    tile of the wave (A rows, B columns) before slice k + 1, then the wave's epilogue streams."""
     c = CASES[case]
     rng = random.Random(seed)
     rows = route(c["T"], c["E"], c["K"], rng)
     d, BN = c["d"], c["BN"]
     n_tiles = c["N"] // BN
-    row_bytes = 2 * d
-    w_bytes = d * BN * 2
+    k_slices = d // BK
+    # Gathered rows keyed per token (a token's K experts share them) where K > 1; per tile otherwise.
+    per_token = c["K"] > 1 and not tile_keys
     lru = collections.OrderedDict()
     held = 0
     reads = {"x": 0, "w": 0, "stream": 0}
@@ -102,19 +108,26 @@ def simulate(case, order, l2_bytes, stream, seed=0, BM=128):
             _, s = lru.popitem(last=False)
             held -= s
 
-    for e, u, nt in tiles(rows, n_tiles, order, BM):
-        toks = rows[e][u * BM:(u + 1) * BM]
-        for t in toks:
-            touch(("x", t), row_bytes, "x")
-        touch(("w", e, nt), w_bytes, "w")
-        per_row = BN * (c["stream_read"] + c["stream_write"])
-        if c["stream_read"]:
-            reads["stream"] += len(toks) * BN * c["stream_read"]
-        if stream and per_row:
-            uniq[0] += 1
-            touch(("s", uniq[0]), len(toks) * per_row, None)
+    order_list = list(tiles(rows, n_tiles, order, BM))
+    for w0 in range(0, len(order_list), sms):
+        wave = [(e, u, nt, rows[e][u * BM:(u + 1) * BM]) for e, u, nt in order_list[w0:w0 + sms]]
+        for k in range(k_slices):
+            for e, u, nt, toks in wave:
+                if per_token:
+                    for t in toks:
+                        touch(("x", t, k), 2 * BK, "x")
+                else:
+                    touch(("x", e, u, k), 2 * BK * len(toks), "x")
+                touch(("w", e, nt, k), 2 * BK * BN, "w")
+        for e, u, nt, toks in wave:
+            if c["stream_read"]:
+                reads["stream"] += len(toks) * BN * c["stream_read"]
+            per_row = BN * (c["stream_read"] + c["stream_write"])
+            if stream and per_row:
+                uniq[0] += 1
+                touch(("s", uniq[0]), len(toks) * per_row, None)
     R = sum(len(r) for r in rows)
-    compulsory = c["T"] * row_bytes + c["E"] * n_tiles * w_bytes + R * BN * n_tiles * c["stream_read"]
+    compulsory = c["T"] * 2 * d + c["E"] * n_tiles * BN * d * 2 + R * BN * n_tiles * c["stream_read"]
     return reads, compulsory
 
 
@@ -125,11 +138,14 @@ def main():
     p.add_argument("--l2-mb", type=float, default=50)
     p.add_argument("--stream", type=int, default=1, choices=(0, 1))
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sms", type=int, default=132, help="CTAs of the persistent grid (one wave)")
+    p.add_argument("--tile-keys", action="store_true",
+                   help="gathered rows keyed per tile, not per token (fast; ignores reuse across experts)")
     a = p.parse_args()
     print(f"| case | order | L2 MB | streams in L2 | source rows MB | weights MB | streamed reads MB | total reads MB | compulsory MB |")
     print("|---|---|---|---|---|---|---|---|---|")
     for order in a.orders.split(","):
-        reads, comp = simulate(a.case, order, a.l2_mb * 1e6, a.stream, a.seed)
+        reads, comp = simulate(a.case, order, a.l2_mb * 1e6, a.stream, a.seed, sms=a.sms, tile_keys=a.tile_keys)
         tot = sum(reads.values())
         print(f"| {a.case} | {order} | {a.l2_mb:g} | {a.stream} | {reads['x'] / 1e6:.0f} | {reads['w'] / 1e6:.0f} | "
               f"{reads['stream'] / 1e6:.0f} | {tot / 1e6:.0f} | {comp / 1e6:.0f} |")
