@@ -567,6 +567,7 @@ step_gather() {
 }
 summary_gather() { [ -s "$OUT/gather/gather_sum.txt" ] && grep -E "^T |chosen|checked|DIFFERS|WRONG" "$OUT/gather/gather_sum.txt" | head -40; }
 
+ab_vars() { case "$1" in *:*) printf '%s' "${1#*:}" ;; esac; }  # 'name:VAR=v ...' -> 'VAR=v ...' ('name': none)
 step_ab() {
   need_bin bench_layer ab || return 1
   local d="$OUT/ab" rc=0 a_bin="$STATE/bench_a" b_bin="$BUILD/bench_layer" digest=0
@@ -596,7 +597,7 @@ step_ab() {
   local env_a=() env_b=()
   read -r -a env_a <<<"${AB_ENV_A:-}"
   if [ "$digest" = 1 ]; then
-    read -r -a env_b <<<"${variants[0]#*:}"
+    read -r -a env_b <<<"$(ab_vars "${variants[0]}")"
     xt -o "$d/digest_a.txt" 300 env ${env_a[@]+"${env_a[@]}"} "$STATE/digest_a" || rc=1
     xt -o "$d/digest_b.txt" 300 env ${env_b[@]+"${env_b[@]}"} "$BUILD/layer_digest" || rc=1
     if ! dry; then
@@ -610,7 +611,7 @@ step_ab() {
       xt -a "$d/a_${stem}_$i.log" "$t" env SMOE_ENGINE_TUNE=0 ${env_a[@]+"${env_a[@]}"} "$a_bin" --configs "$f" \
         --warmup "$w" --reps "$r" --commit "$COMMIT" --out "$d/a_${stem}_$i.json" || rc=1
       for v in "${variants[@]}"; do
-        name=${v%%:*}; vars=${v#*:}; env_b=()
+        name=${v%%:*}; vars=$(ab_vars "$v"); env_b=()
         read -r -a env_b <<<"$vars"
         xt -a "$d/${name}_${stem}_$i.log" "$t" env SMOE_ENGINE_TUNE=0 ${env_b[@]+"${env_b[@]}"} "$b_bin" \
           --configs "$f" --warmup "$w" --reps "$r" --commit "$COMMIT" --out "$d/${name}_${stem}_$i.json" || rc=1

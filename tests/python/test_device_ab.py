@@ -60,6 +60,15 @@ def test_differing_digest_fails_the_step(tmp_path):
     assert "digest: b DIFFERS from a" in r.stdout
 
 
+def test_a_variant_without_environment(tmp_path):
+    # 'plain' (no colon) runs side B with no variables; 'x:' the same.
+    r, d = run_ab(tmp_path, "x 1", AB_VARIANTS="plain;x:")
+    assert r.returncode == 0, r.stdout + r.stderr
+    for name in ("plain", "x"):
+        doc = json.loads((d / f"ab_{name}_smoke_configs.json").read_text())
+        assert abs(doc["summary"]["geomean"] - 1.0) < 1e-9
+
+
 def test_bad_variant_name_is_refused(tmp_path):
     r, _ = run_ab(tmp_path, "x 1", AB_VARIANTS="a:FOO=1")
     assert r.returncode == 1
