@@ -12,7 +12,7 @@
 //   SMOE_ENGINE_STAGED_STORE=0|1|2               ping-pong store GEMMs: not staged, one or two slabs
 //   SMOE_ENGINE_STORE_CS=0                       plain output stores instead of evict-first st.global.cs
 //   SMOE_ENGINE_N_BAND=<W>                       varlen-M tiles in bands of W N-tiles, M-tiles inside a
-//                                                band (band_order, tile_scheduler.cuh); unset or 0: one
+//                                                band (band_order, tile_order.h); unset or 0: one
 //                                                band (every N-tile of an M-tile in turn); the
 //                                                kernels follow it with docs/wip/n_band_tile_order.patch
 //   SMOE_ENGINE_PRINT=1                          print every choice to stderr (and where it came from)
