@@ -4,6 +4,7 @@ model of L2 fed the tiles' operand accesses in the order the persistent schedule
 
   python3 bench/models/l2_tile_order.py --case dA-1.4B --l2-mb 50 --orders default,block16,block32
   python3 bench/models/l2_tile_order.py --case up-E16K1 --orders default,band4,band8,band16
+  python3 bench/models/l2_tile_order.py --shape 16384,2880,2880,128,4 --gemm down --orders default,band8 --tile-keys
 
 What it models (tile_scheduler.cuh, tile_order.h): experts' rows in ascending token order (routing's
 stable sort), tiles of BM = 128 rows x BN columns, run in waves of --sms tiles (the persistent grid:
@@ -37,6 +38,18 @@ CASES = {
     "up-E16K1": dict(T=16384, d=4096, E=16, K=1, N=16384, BN=128, stream_read=0, stream_write=3),
     "up-DSV3": dict(T=32768, d=7168, E=256, K=8, N=4096, BN=256, stream_read=0, stream_write=3),
 }
+
+
+def make_case(shape, gemm, bn):
+    """A case from `T,d,n,E,K` and the GEMM: up (x gathered, reduction d, N 2n), down (A' contiguous,
+    reduction n, N d), dA (dO gathered, reduction d, N n, H read and A' / dH written), dX (dH
+    contiguous, reduction 2n, N d). Streams as the named cases count them."""
+    T, d, n, E, K = (int(v) for v in shape.split(","))
+    g = {"up": dict(red=d, N=2 * n, gathered=True, stream_read=0, stream_write=3),
+         "down": dict(red=n, N=d, gathered=False, stream_read=0, stream_write=2),
+         "dA": dict(red=d, N=n, gathered=True, stream_read=4, stream_write=6),
+         "dX": dict(red=2 * n, N=d, gathered=False, stream_read=0, stream_write=2)}[gemm]
+    return dict(T=T, d=d, E=E, K=K, BN=bn, **g)
 
 
 def route(T, E, K, rng):
@@ -82,14 +95,16 @@ def simulate(case, order, l2_bytes, stream, seed=0, BM=128, sms=132, BK=64, tile
     """Reads by kind ({'x', 'w', 'stream'}: bytes) and the compulsory bytes. Tiles run in waves of
     `sms` (the persistent grid), a wave's tiles in step through the reduction: K-slice k of every
     tile of the wave (A rows, B columns) before slice k + 1, then the wave's epilogue streams."""
-    c = CASES[case]
+    c = CASES[case] if isinstance(case, str) else case
     rng = random.Random(seed)
     rows = route(c["T"], c["E"], c["K"], rng)
-    d, BN = c["d"], c["BN"]
-    n_tiles = c["N"] // BN
-    k_slices = d // BK
-    # Gathered rows keyed per token (a token's K experts share them) where K > 1; per tile otherwise.
-    per_token = c["K"] > 1 and not tile_keys
+    d, BN = c.get("red", c["d"]), c["BN"]  # d: the reduction's length
+    gathered = c.get("gathered", True)
+    n_tiles = (c["N"] + BN - 1) // BN
+    k_slices = (d + BK - 1) // BK
+    # Gathered rows keyed per token (a token's K experts share them) where K > 1; per tile otherwise
+    # (and always for a contiguous A: the grouped rows are distinct).
+    per_token = gathered and c["K"] > 1 and not tile_keys
     lru = collections.OrderedDict()
     held = 0
     reads = {"x": 0, "w": 0, "stream": 0}
@@ -112,13 +127,14 @@ def simulate(case, order, l2_bytes, stream, seed=0, BM=128, sms=132, BK=64, tile
     for w0 in range(0, len(order_list), sms):
         wave = [(e, u, nt, rows[e][u * BM:(u + 1) * BM]) for e, u, nt in order_list[w0:w0 + sms]]
         for k in range(k_slices):
+            bk = min(BK, d - k * BK)  # the last slice may be narrower
             for e, u, nt, toks in wave:
                 if per_token:
                     for t in toks:
-                        touch(("x", t, k), 2 * BK, "x")
+                        touch(("x", t, k), 2 * bk, "x")
                 else:
-                    touch(("x", e, u, k), 2 * BK * len(toks), "x")
-                touch(("w", e, nt, k), 2 * BK * BN, "w")
+                    touch(("x", e, u, k), 2 * bk * len(toks), "x")
+                touch(("w", e, nt, k), 2 * bk * BN, "w")
         for e, u, nt, toks in wave:
             if c["stream_read"]:
                 reads["stream"] += len(toks) * BN * c["stream_read"]
@@ -127,13 +143,16 @@ def simulate(case, order, l2_bytes, stream, seed=0, BM=128, sms=132, BK=64, tile
                 uniq[0] += 1
                 touch(("s", uniq[0]), len(toks) * per_row, None)
     R = sum(len(r) for r in rows)
-    compulsory = c["T"] * 2 * d + c["E"] * n_tiles * BN * d * 2 + R * BN * n_tiles * c["stream_read"]
+    compulsory = (c["T"] if gathered else R) * 2 * d + c["E"] * n_tiles * BN * d * 2 + R * BN * n_tiles * c["stream_read"]
     return reads, compulsory
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--case", choices=sorted(CASES), required=True)
+    p.add_argument("--case", choices=sorted(CASES))
+    p.add_argument("--shape", help="T,d,n,E,K (with --gemm) instead of --case")
+    p.add_argument("--gemm", choices=("up", "down", "dA", "dX"), default="up")
+    p.add_argument("--bn", type=int, default=128, help="N tile of --shape")
     p.add_argument("--orders", default="default")
     p.add_argument("--l2-mb", type=float, default=50)
     p.add_argument("--stream", type=int, default=1, choices=(0, 1))
@@ -142,12 +161,16 @@ def main():
     p.add_argument("--tile-keys", action="store_true",
                    help="gathered rows keyed per tile, not per token (fast; ignores reuse across experts)")
     a = p.parse_args()
+    if (a.case is None) == (a.shape is None):
+        p.error("give --case or --shape")
+    case = a.case or make_case(a.shape, a.gemm, a.bn)
+    name = a.case or f"{a.gemm} {a.shape} BN{a.bn}"
     print(f"| case | order | L2 MB | streams in L2 | source rows MB | weights MB | streamed reads MB | total reads MB | compulsory MB |")
     print("|---|---|---|---|---|---|---|---|---|")
     for order in a.orders.split(","):
-        reads, comp = simulate(a.case, order, a.l2_mb * 1e6, a.stream, a.seed, sms=a.sms, tile_keys=a.tile_keys)
+        reads, comp = simulate(case, order, a.l2_mb * 1e6, a.stream, a.seed, sms=a.sms, tile_keys=a.tile_keys)
         tot = sum(reads.values())
-        print(f"| {a.case} | {order} | {a.l2_mb:g} | {a.stream} | {reads['x'] / 1e6:.0f} | {reads['w'] / 1e6:.0f} | "
+        print(f"| {name} | {order} | {a.l2_mb:g} | {a.stream} | {reads['x'] / 1e6:.0f} | {reads['w'] / 1e6:.0f} | "
               f"{reads['stream'] / 1e6:.0f} | {tot / 1e6:.0f} | {comp / 1e6:.0f} |")
 
 

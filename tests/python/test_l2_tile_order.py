@@ -40,3 +40,23 @@ def test_reads_at_least_compulsory_and_grow_when_l2_shrinks(monkeypatch):
     small, _ = m.simulate("tiny", "default", 64e3, 1)
     assert sum(small.values()) > comp
     assert small["stream"] == big["stream"]  # streamed inputs are read once either way
+
+
+def test_shape_cases_size_each_gemm():
+    up = m.make_case("2048,256,192,16,4", "up", 128)
+    assert (up["N"], up["red"], up["gathered"]) == (384, 256, True)
+    dx = m.make_case("2048,256,192,16,4", "dX", 128)
+    assert (dx["N"], dx["red"], dx["gathered"]) == (256, 384, False)
+    down = m.make_case("2048,256,192,16,4", "down", 128)
+    assert (down["N"], down["red"]) == (256, 192)
+    # Everything fits: every byte read once; a contiguous A counts each grouped row (T * K of them),
+    # a gathered one each token once.
+    for case, a_rows in ((up, 2048), (dx, 2048 * 4)):
+        reads, comp = m.simulate(case, "default", 1e12, 1)
+        n_tiles = (case["N"] + 127) // 128
+        assert comp == a_rows * 2 * case["red"] + 16 * n_tiles * 128 * case["red"] * 2
+        assert sum(reads.values()) == comp
+    # A partial last N-tile and K-slice (N 2880 at BN 128, reduction 2880 in 64-column slices).
+    odd = m.make_case("512,2880,1440,4,1", "down", 128)
+    reads, comp = m.simulate(odd, "band8", 1e12, 1)
+    assert sum(reads.values()) == comp
