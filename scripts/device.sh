@@ -75,8 +75,9 @@
 #             A's VAR=value words. layer_digest of A and of the first variant must match bitwise
 #             (AB_DIGEST=0: not compared). Then AB_ROUNDS (3) interleaved rounds (A, each variant) of
 #             bench_layer over each configs file stem of AB_CONFIGS (default "configs wide_configs":
-#             bench/configs/<stem>.json), SMOE_ENGINE_TUNE=0, AB_WARMUP (2), AB_REPS (8),
-#             AB_TIMEOUT (150 s a pass) -> $OUT/ab/<side>_<stem>_<round>.json, then
+#             bench/configs/<stem>.json; 'unseen': bench/configs/unseen.py's draw with seed
+#             AB_UNSEEN_SEED, default today's date, in $OUT/ab/unseen.json), SMOE_ENGINE_TUNE=0,
+#             AB_WARMUP (2), AB_REPS (8), AB_TIMEOUT (150 s a pass) -> $OUT/ab/<side>_<stem>_<round>.json, then
 #             bench/reports/layer_ab.py per variant and stem -> $OUT/ab/ab_<variant>_<stem>.{json,md}
 #
 # Output: every step prints a header and a few summary lines here, logs everything to
@@ -606,6 +607,10 @@ step_ab() {
   fi
   local env_a=() env_b=()
   read -r -a env_a <<<"${AB_ENV_A:-}"
+  # The stem 'unseen': a seeded draw of shapes in none of the configs files (bench/configs/unseen.py).
+  case " ${AB_CONFIGS:-} " in *" unseen "*)
+    x python3 bench/configs/unseen.py --seed "${AB_UNSEEN_SEED:-$(date -u +%Y%m%d)}" --out "$d/unseen.json" || return 1 ;;
+  esac
   if [ "$digest" = 1 ]; then
     read -r -a env_b <<<"$(ab_vars "${variants[0]}")"
     xt -o "$d/digest_a.txt" 300 env ${env_a[@]+"${env_a[@]}"} "$STATE/digest_a" || rc=1
@@ -618,6 +623,7 @@ step_ab() {
   for i in $(seq 1 "${AB_ROUNDS:-3}"); do
     for stem in ${AB_CONFIGS:-configs wide_configs}; do
       f="bench/configs/$stem.json"
+      [ "$stem" = unseen ] && f="$d/unseen.json"
       xt -a "$d/a_${stem}_$i.log" "$t" env SMOE_ENGINE_TUNE=0 ${env_a[@]+"${env_a[@]}"} "$a_bin" --configs "$f" \
         --warmup "$w" --reps "$r" --commit "$COMMIT" --out "$d/a_${stem}_$i.json" || rc=1
       for v in "${variants[@]}"; do

@@ -34,7 +34,8 @@ def run_ab(tmp_path, digest_b_text, **env):
     write_exe(build / "layer_digest", f'#!/usr/bin/env bash\necho "{digest_b_text}"\n')
     out = tmp_path / "out"
     e = dict(os.environ, BUILD=str(build), OUT=str(out), AB_CONFIGS="smoke_configs", AB_ROUNDS="2",
-             SMOE_COMMIT="test", **env)
+             SMOE_COMMIT="test")
+    e.update(env)
     r = subprocess.run(["bash", str(ROOT / "scripts" / "device.sh"), "ab"], cwd=ROOT, env=e,
                        capture_output=True, text=True, timeout=120)
     return r, out / "ab"
@@ -73,3 +74,13 @@ def test_bad_variant_name_is_refused(tmp_path):
     r, _ = run_ab(tmp_path, "x 1", AB_VARIANTS="a:FOO=1")
     assert r.returncode == 1
     assert "bad name 'a'" in r.stdout
+
+
+def test_unseen_stem_runs_the_seeded_draw(tmp_path):
+    r, d = run_ab(tmp_path, "x 1", AB_VARIANTS="b:", AB_CONFIGS="unseen", AB_UNSEEN_SEED="11")
+    assert r.returncode == 0, r.stdout + r.stderr
+    drawn = json.loads((d / "unseen.json").read_text())
+    assert drawn and all("unseen.py --seed 11" in c["source"] for c in drawn)
+    side_a = json.loads((d / "a_unseen_1.json").read_text())
+    assert [x["config"]["name"] for x in side_a["results"]] == [c["name"] for c in drawn]
+    assert (d / "ab_b_unseen.md").exists()
