@@ -9,7 +9,9 @@ The passes of each side ran interleaved in one device call (a, b, a, b). Per con
 lowest of its passes' fwd+bwd medians is kept, so one slow pass moves nothing, and every pass's own
 ratio is listed too. The weight-gradient stages (dW1 + dW2, varlen-K) are reported beside it: where
 the two builds run the same dW kernels, their ratio is this A/B's noise (on the H100 whole passes
-moved by up to 10% with the GPU's clock).
+moved by up to 10% with the GPU's clock). A second table gives every GEMM stage's ratio per config
+beside one expert's weight bytes (W1: 2n x d bf16; W2 and the down-proj / dA' GEMMs hold half of it),
+for rules that depend on them (e.g. the varlen-M tile order's bands).
 """
 
 import argparse
@@ -26,7 +28,7 @@ def load(paths):
             s = r.get("systems", {}).get("ours")
             if not s or "fwd_ms" not in s:  # a config bench_layer could not run (it records {"error": ...})
                 continue
-            runs[r["config"]["name"]] = (s["fwd_ms"] + s["bwd_ms"], r["kernels"])
+            runs[r["config"]["name"]] = (s["fwd_ms"] + s["bwd_ms"], r["kernels"], r["config"])
         out.append(runs)
     return out
 
@@ -38,6 +40,16 @@ def side(arg):
 
 def fmt(v):
     return "-" if v is None else f"{v:.3f}"
+
+
+GEMM_STAGES = ("fwd.up_proj", "fwd.down_proj", "bwd.dA_proj", "bwd.dX_proj", "bwd.dW1", "bwd.dW2")
+
+
+def w1_mib(cfg):
+    """One expert's W1 (gate + up: 2n x d bf16) in MiB; None where the config lacks d or n."""
+    if "d" not in cfg or "n" not in cfg:
+        return None
+    return 2 * cfg["n"] * cfg["d"] * 2 / 2**20
 
 
 def geomean(v):
@@ -71,7 +83,8 @@ def main():
             if math.isfinite(va) and math.isfinite(vb) and vb > 0:
                 stages[k.replace("_ms", "")] = {na: va, nb: vb}
         dw = lambda s: sum(stages.get(k, {}).get(s, 0.0) for k in ("bwd.dW1", "bwd.dW2"))  # noqa: E731
-        rows.append({"config": name, na + "_ms": ta, nb + "_ms": tb, "speedup": ta / tb, "per_pass": passes,
+        rows.append({"config": name, "w1_mib": w1_mib(pa[0][name][2]), na + "_ms": ta, nb + "_ms": tb,
+                     "speedup": ta / tb, "per_pass": passes,
                      "dw_ratio": dw(na) / dw(nb) if dw(nb) > 0 else None, "stages": stages})
     speed = [r["speedup"] for r in rows]
     summary = {"configs": len(rows), "geomean": geomean(speed), "min": min(speed, default=None),
@@ -93,6 +106,17 @@ def main():
         dwr = f"{r['dw_ratio']:.3f}" if r["dw_ratio"] else "-"
         md.append(f"| {r['config']} | {r[na + '_ms']:.3f} | {r[nb + '_ms']:.3f} | {r['speedup']:.3f} | "
                   f"{' / '.join(f'{x:.3f}' for x in r['per_pass'])} | {dwr} | {moved or '-'} |")
+    md += ["", f"Every GEMM stage: {na} / {nb} (lowest pass per side), with one expert's W1 in MiB (the down-proj "
+           f"and dA' GEMMs' weights are half of it).", "",
+           "| config | W1 MiB | " + " | ".join(k.split(".")[1] for k in GEMM_STAGES) + " |",
+           "|---|---|" + "---|" * len(GEMM_STAGES)]
+    for r in rows:
+        cells = []
+        for k in GEMM_STAGES:
+            v = r["stages"].get(k)
+            cells.append(f"{v[na] / v[nb]:.2f}" if v and v[nb] > 0 else "-")
+        w = f"{r['w1_mib']:.1f}" if r["w1_mib"] is not None else "-"
+        md.append(f"| {r['config']} | {w} | " + " | ".join(cells) + " |")
     text = "\n".join(md) + "\n"
     if args.md:
         open(args.md, "w").write(text)
