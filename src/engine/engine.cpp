@@ -22,12 +22,20 @@ namespace smoe {
 namespace engine {
 
 bool store_streaming() { return overrides().store_streaming; }
-int varlen_m_n_band(int n_tiles) {
-  const int b = overrides().n_band;
+int varlen_m_n_band(int n_tiles, int64_t expert_weight_bytes) {
+  int b = overrides().n_band;
+  if (b < 0) b = expert_weight_bytes >= kBandMinWeightBytes ? kAutoNBand : 0;
   return b > 0 && b < n_tiles ? b : n_tiles;
 }
 
 namespace {
+
+// The band the chosen instance's params will take (make_params): "all" for one band.
+std::string n_band_text(int N, int K, int bn) {
+  const int n_tiles = (N + bn - 1) / bn;
+  const int b = varlen_m_n_band(n_tiles, int64_t{N} * K * 2);
+  return b >= n_tiles ? std::string("all") : std::to_string(b);
+}
 
 // choose_config (engine.h): a measured choice where the cache has the call's key (and nothing
 // forces another), measured now where SMOE_ENGINE_TUNE=1 asks for it and the call may be measured
@@ -99,9 +107,11 @@ Status varlen_m(const VarlenMArgs& a, int sm_count, cudaStream_t stream) {
   SMOE_RETURN_IF_ERROR(choose_config(a, sm_count, stream, &ch));
   const std::optional<EngineConfig>& c = ch.config;
   if (overrides().print)
-    std::fprintf(stderr, "[smoe engine] varlen_m %s (%s) rows=%lld N=%d K=%d E=%d gather=%d grid<=%d hbm_gbps=%d\n",
+    std::fprintf(stderr,
+                 "[smoe engine] varlen_m %s (%s) rows=%lld N=%d K=%d E=%d gather=%d grid<=%d hbm_gbps=%d n_band=%s\n",
                  c ? to_string(*c).c_str() : "(none)", ch.from.c_str(), static_cast<long long>(a.rows), a.N, a.K,
-                 a.num_experts, a.gather_idx != nullptr, sm_count, device_facts(sm_count).hbm_gbps);
+                 a.num_experts, a.gather_idx != nullptr, sm_count, device_facts(sm_count).hbm_gbps,
+                 c ? n_band_text(a.N, a.K, c->bn).c_str() : "-");
   const RunVarlenM run = c ? find_varlen_m(*c) : nullptr;
   if (run == nullptr) return no_instance(c, "engine::varlen_m");
   return run(a, sm_count, stream);

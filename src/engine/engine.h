@@ -67,10 +67,11 @@ Status choose_config(const VarlenKArgs& a, int sm_count, cudaStream_t stream, Ch
 // Outputs stored with L2 evict-first (st.global.cs) unless SMOE_ENGINE_STORE_CS=0 (epilogue/common.cuh,
 // store_out_if); read by the instantiations at launch.
 bool store_streaming();
-// N-tiles per band of the varlen-M tile order (band_order, tile_order.h): SMOE_ENGINE_N_BAND
-// where set (clamped to n_tiles), else n_tiles (one band: the default order); read at launch by the
-// varlen-M kernels' parameters (docs/wip/n_band_tile_order.patch until its GPU A/B).
-int varlen_m_n_band(int n_tiles);
+// N-tiles per band of the varlen-M tile order (band_order, tile_order.h) of a GEMM whose experts
+// each hold expert_weight_bytes of B: SMOE_ENGINE_N_BAND where set (0: one band; clamped to
+// n_tiles), else kAutoNBand where those weights reach kBandMinWeightBytes (heuristic.h) and one band
+// (n_tiles: every N-tile of an M-tile in turn) below. Read at launch by the varlen-M kernels' params.
+int varlen_m_n_band(int n_tiles, int64_t expert_weight_bytes);
 
 }  // namespace engine
 }  // namespace smoe

@@ -207,6 +207,7 @@ struct VarlenMKernel {
                           // two tensors: K-major ((E-1)*stride + N/2, K), MN-major (N, (E-1)*stride + K/2)
     int b_stride;         // along the expert-indexed extent, from one expert to the next
     int n_tiles;
+    int n_band;           // N-tiles per band of the tile order (band_order, tile_order.h)
     bool b_halves;        // K-major gate/up in two tensors: tma_bh[0] (gate), tma_bh[1] (up)
     int k_split_tiles;    // MN-major: K-tiles from tma_b, the rest from tma_b2 (0: one tensor)
     const int32_t* expert_offset;
@@ -235,6 +236,7 @@ struct VarlenMKernel {
     p.K = K;
     p.a_rows = a_rows;
     p.n_tiles = (N + Cfg::BN - 1) / Cfg::BN;
+    p.n_band = varlen_m_n_band(p.n_tiles, int64_t{N} * K * static_cast<int64_t>(sizeof(Bf16)));
     p.expert_offset = offset;
     p.a_gather = reinterpret_cast<const Bf16*>(A);
     p.gather_idx = gather;
@@ -303,7 +305,7 @@ struct VarlenMKernel {
       cute::cluster_wait();
       rank = static_cast<int>(cute::block_rank_in_cluster());
     }
-    const Sched sched{p.expert_offset, s.tile_start, p.E, p.n_tiles, rank};
+    const Sched sched{p.expert_offset, s.tile_start, p.E, p.n_tiles, p.n_band, rank};
     const int k_tiles = p.K / Cfg::BK;
     Body::roles(p, s, sched, [&](const WorkTile& w, int& kt, int&) {
       kt = k_tiles;

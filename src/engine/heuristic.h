@@ -33,6 +33,16 @@ constexpr int kClusterMinRowsPerExpert = 512;
 constexpr int kStagedStoreMaxK = 512;
 // ... in two slabs per warpgroup (a 64-row buffer, EpiStoreStagedT<2>, _pps2) up to this K.
 constexpr int kStagedStore2MaxK = 256;
+// varlen-M tile order (tile_order.h, band_order): bands of kAutoNBand N-tiles where one expert's
+// weights for the GEMM (N x K bf16) reach ~the L2 (50 MB on the H100 / H200). Why: in the default
+// order a wave of S CTAs covers every N-tile of ~S / n_tiles M-tiles, so an expert wider than L2
+// streams all its weights again every wave (the L2 model, docs/wip/tile_order_model.md: E16 K1
+// n8192's up-proj 18.0 GB -> 2.3 GB); below L2 the default order shares each M-tile's A rows
+// across the wave and bands only cost (30B n256's dX x0.83 at band 8). Measured on the H100
+// (bench/results/h100/n_band_ab.md): up-proj x1.14-1.15 and dA' x1.09-1.10 at 128 MB, x1.03-1.04
+// at 64-98 MB, 0.98-1.01 at 50-56 MB; band 8 beat 16 on the K = 1 shapes.
+constexpr int64_t kBandMinWeightBytes = int64_t{48} << 20;
+constexpr int kAutoNBand = 8;
 
 // The facts of the current device (cudaGetDevice): sm_count as given, HBM bandwidth from its memory
 // clock and bus width (device_facts.cpp; 0 where the query fails). Cached per device.

@@ -43,7 +43,12 @@ Overrides parse_overrides(const char* (*lookup)(const char*)) {
   if (const char* v = lookup("SMOE_ENGINE_STAGED_STORE"); v != nullptr && v[0] != '\0')
     o.staged_store = is(v, "2") ? 2 : is(v, "0") ? 0 : 1;
   o.store_streaming = !is(lookup("SMOE_ENGINE_STORE_CS"), "0");
-  if (const char* v = lookup("SMOE_ENGINE_N_BAND")) o.n_band = std::max(0, std::atoi(v));
+  if (const char* v = lookup("SMOE_ENGINE_N_BAND"); v != nullptr && v[0] != '\0') {
+    char* end = nullptr;
+    const long b = std::strtol(v, &end, 10);
+    if (is(v, "off")) o.n_band = 0;
+    else if (*end == '\0' && b >= 0) o.n_band = static_cast<int>(std::min<long>(b, 1 << 20));  // else the rule
+  }
   const char* p = lookup("SMOE_ENGINE_PRINT");
   o.print = p != nullptr && p[0] != '\0' && p[0] != '0';
   o.tune = !is(lookup("SMOE_ENGINE_TUNE"), "0");

@@ -12,9 +12,9 @@
 //   SMOE_ENGINE_STAGED_STORE=0|1|2               ping-pong store GEMMs: not staged, one or two slabs
 //   SMOE_ENGINE_STORE_CS=0                       plain output stores instead of evict-first st.global.cs
 //   SMOE_ENGINE_N_BAND=<W>                       varlen-M tiles in bands of W N-tiles, M-tiles inside a
-//                                                band (band_order, tile_order.h); unset or 0: one
-//                                                band (every N-tile of an M-tile in turn); the
-//                                                kernels follow it with docs/wip/n_band_tile_order.patch
+//                                                band (band_order, tile_order.h); 0 or off: one band
+//                                                (every N-tile of an M-tile in turn); unset or not a
+//                                                number >= 0: the rule (heuristic.h, kBandMinWeightBytes)
 //   SMOE_ENGINE_PRINT=1                          print every choice to stderr (and where it came from)
 //   SMOE_ENGINE_TUNE=0                           ignore the measured choices (tune_cache.h)
 //   SMOE_ENGINE_TUNE=1                           also measure: the first eager call of a key the cache
@@ -36,7 +36,7 @@ struct Overrides {
   int pingpong_max_k = -1;  // -1: kPingPongMaxK (heuristic.h)
   int staged_store = -1;  // -1: by K (heuristic.h); 0, 1 or 2 forced
   bool store_streaming = true;
-  int n_band = 0;  // 0: one band (the default tile order); > 0: N-tiles per band
+  int n_band = -1;  // -1: the rule (varlen_m_n_band); 0: one band (M-tile-major order); > 0: N-tiles per band
   bool print = false;
   bool tune = true;  // use the measured choices of the tune cache where it has the call's key
   bool measure = false;  // measure an unseen key on its first eager call (opt-in: costs <= ~2 s per key)

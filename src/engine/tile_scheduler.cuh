@@ -8,6 +8,8 @@
 
 #include <cstdint>
 
+#include "engine/tile_order.h"
+
 namespace smoe {
 namespace engine {
 
@@ -19,10 +21,11 @@ struct WorkTile {
   int rows;     // varlen-M: valid rows of the tile (<= BM); varlen-K: rows (tokens) of the expert
 };
 
-// varlen-M: expert e owns ceil(m_e / BM) M-tiles; tiles run expert-major, M-tiles next and the
-// N-tiles innermost, so CTAs of one wave share the A rows of one M-tile and an expert's weight
-// tiles stay in L2 across its M-tiles. tile_start (shared memory, E+1 entries) is the exclusive
-// prefix of the M-tile counts, built once per CTA by warp 0 (E <= 512: 16 warp scans).
+// varlen-M: expert e owns ceil(m_e / BM) M-tiles; tiles run expert-major, then in band_order: by
+// default M-tiles next and the N-tiles innermost, so CTAs of one wave share the A rows of one M-tile
+// and an expert's weight tiles stay in L2 across its M-tiles (while they fit). tile_start (shared
+// memory, E+1 entries) is the exclusive prefix of the M-tile counts, built once per CTA by warp 0
+// (E <= 512: 16 warp scans).
 template <int BM, int C = 1>
 struct VarlenMScheduler {
   // A unit is C x BM rows (adjacent M-tiles of one expert, a cluster's CTAs) of one N-tile.
@@ -31,6 +34,7 @@ struct VarlenMScheduler {
   const int* tile_start;    // [E+1] shared: prefix of the units (C x BM rows) per expert
   int num_experts;
   int n_tiles;
+  int n_band;               // N-tiles per band (band_order; >= n_tiles: the default order)
   int rank;                 // this CTA's rank in its cluster (0 when C == 1)
 
   __device__ static int first() { return static_cast<int>(blockIdx.x) / C; }
@@ -59,9 +63,9 @@ struct VarlenMScheduler {
   __device__ int total_tiles() const { return tile_start[num_experts] * n_tiles; }
 
   __device__ WorkTile get(int t) const {
+    // Expert e's tiles are [tile_start[e] * n_tiles, tile_start[e + 1] * n_tiles) in any band order.
     const int m_lin = t / n_tiles;
     WorkTile w;
-    w.n_tile = t - m_lin * n_tiles;
     // Largest e with tile_start[e] <= m_lin: empty experts before it share its start.
     int lo = 0, hi = num_experts - 1;
     while (lo < hi) {
@@ -69,7 +73,10 @@ struct VarlenMScheduler {
       if (tile_start[mid] <= m_lin) lo = mid; else hi = mid - 1;
     }
     w.expert = lo;
-    w.m_tile = (m_lin - tile_start[lo]) * C + rank;
+    const BandPos pos =
+        band_order(t - tile_start[lo] * n_tiles, tile_start[lo + 1] - tile_start[lo], n_tiles, n_band);
+    w.n_tile = pos.n_tile;
+    w.m_tile = pos.unit * C + rank;
     const int begin = offset[lo], end = offset[lo + 1];
     w.row0 = begin + w.m_tile * BM;
     // A unit's rank-1 half may lie past the expert's end (odd M-tile count): rows = 0, the CTA

@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include "engine/engine.h"
+#include "engine/heuristic.h"
 #include "engine/overrides.h"
 #include "engine/tile_order.h"
 
@@ -79,19 +80,43 @@ TEST(TileOrder, SwitchSetsTheBandClampedToTheTiles) {
     return eng::parse_overrides(
         [](const char* k) -> const char* { return std::string(k) == "SMOE_ENGINE_N_BAND" ? value : nullptr; });
   };
-  EXPECT_EQ(parse(nullptr).n_band, 0);
+  EXPECT_EQ(parse(nullptr).n_band, -1) << "unset: the rule";
+  EXPECT_EQ(parse("").n_band, -1);
+  EXPECT_EQ(parse("0").n_band, 0);
+  EXPECT_EQ(parse("off").n_band, 0);
   EXPECT_EQ(parse("16").n_band, 16);
-  EXPECT_EQ(parse("-3").n_band, 0);
-  EXPECT_EQ(parse("x").n_band, 0);
+  EXPECT_EQ(parse("-3").n_band, -1) << "not a band: the rule";
+  EXPECT_EQ(parse("x").n_band, -1);
+  EXPECT_EQ(parse("8x").n_band, -1);
   EXPECT_FALSE(parse("16").forces()) << "a band orders the tiles; it does not choose an instance";
   const eng::Overrides saved = eng::overrides();
   eng::Overrides o;
+  o.n_band = 0;
   eng::set_overrides(o);
-  EXPECT_EQ(eng::varlen_m_n_band(30), 30) << "unset: one band";
+  EXPECT_EQ(eng::varlen_m_n_band(30, int64_t{1} << 40), 30) << "0: one band whatever the weights";
   o.n_band = 16;
   eng::set_overrides(o);
-  EXPECT_EQ(eng::varlen_m_n_band(128), 16);
-  EXPECT_EQ(eng::varlen_m_n_band(30), 16);
-  EXPECT_EQ(eng::varlen_m_n_band(8), 8) << "wider than the tiles: one band";
+  EXPECT_EQ(eng::varlen_m_n_band(128, 0), 16);
+  EXPECT_EQ(eng::varlen_m_n_band(30, 0), 16);
+  EXPECT_EQ(eng::varlen_m_n_band(8, 0), 8) << "wider than the tiles: one band";
+  eng::set_overrides(saved);
+}
+
+// The rule (SMOE_ENGINE_N_BAND unset): bands of kAutoNBand where one expert's weights for the GEMM
+// reach kBandMinWeightBytes (~L2), the default order below.
+TEST(TileOrder, RuleBandsExpertsWiderThanL2) {
+  const eng::Overrides saved = eng::overrides();
+  eng::set_overrides(eng::Overrides{});
+  ASSERT_EQ(eng::overrides().n_band, -1);
+  const int64_t bf16 = 2;
+  // E16 K1 n8192 d4096's up-proj (N 2n = 16384, K 4096: 128 MB) at BN 128: 128 N-tiles.
+  EXPECT_EQ(eng::varlen_m_n_band(128, int64_t{16384} * 4096 * bf16), eng::kAutoNBand);
+  EXPECT_EQ(eng::varlen_m_n_band(128, eng::kBandMinWeightBytes), eng::kAutoNBand);
+  EXPECT_EQ(eng::varlen_m_n_band(128, eng::kBandMinWeightBytes - 1), 128) << "below: one band";
+  // 30B n256 (d 2048): dX's 2 MiB of weights per expert keeps the order that shares A rows.
+  EXPECT_EQ(eng::varlen_m_n_band(16, int64_t{2048} * 512 * bf16), 16);
+  // Fewer N-tiles than a band: one band.
+  EXPECT_EQ(eng::varlen_m_n_band(eng::kAutoNBand, int64_t{1} << 40), eng::kAutoNBand);
+  EXPECT_EQ(eng::varlen_m_n_band(3, int64_t{1} << 40), 3);
   eng::set_overrides(saved);
 }

@@ -657,6 +657,32 @@ TEST(GpuEngine, WideTilesLargeShapes) {
   run_m({counts, 1024, 128, eng::WeightMajor::kNK, eng::Epilogue::kSwiGLU, true});
   run_k({random_counts(66, 8000, g, 0.1), 512, 512, false, true, 256});
 }
+// Tile orders (SMOE_ENGINE_N_BAND, tile_order.h): M-tiles innermost (band 1), bands of 3 N-tiles,
+// whose last band is narrower at 5 N-tiles (N 640 at BN 128), and one band (0), under every
+// instantiation run_m forces; then the rule's bands (unset) on experts of 48 MiB of weights. The
+// variable as it was (an A/B variant may set it) is restored at the end.
+TEST(GpuEngine, BandOrders) {
+  const char* before = std::getenv("SMOE_ENGINE_N_BAND");
+  const std::string saved = before ? before : "";
+  for (const char* band : {"1", "3", "0"}) {
+    SCOPED_TRACE(testing::Message() << "SMOE_ENGINE_N_BAND=" << band);
+    setenv("SMOE_ENGINE_N_BAND", band, 1);
+    eng::reload_overrides_from_env();
+    run_m({kEdgeCounts, 640, 192, eng::WeightMajor::kNK, eng::Epilogue::kStore, false});
+    run_m({kEdgeCounts, 640, 128, eng::WeightMajor::kNK, eng::Epilogue::kSwiGLU, true});
+    run_m({kEdgeCounts, 640, 256, eng::WeightMajor::kKN, eng::Epilogue::kDSwiGLU, true});
+    run_m({kEdgeCounts, 640, 192, eng::WeightMajor::kKN, eng::Epilogue::kStore, false});  // dX~: MN-major B
+  }
+  unsetenv("SMOE_ENGINE_N_BAND");
+  eng::reload_overrides_from_env();
+  ASSERT_EQ(int64_t{8192} * 3072 * 2, eng::kBandMinWeightBytes) << "the cases below sit on the rule's edge";
+  ASSERT_LT(eng::kAutoNBand, 8192 / 256) << "the rule's band must split the N-tiles";
+  // Two experts each (the weights' host draw is E x 25M values per forced instance).
+  run_m({{300, 129}, 8192, 3072, eng::WeightMajor::kNK, eng::Epilogue::kStore, false});
+  run_m({{257, 640}, 8192, 3072, eng::WeightMajor::kNK, eng::Epilogue::kSwiGLU, true});
+  if (!saved.empty()) setenv("SMOE_ENGINE_N_BAND", saved.c_str(), 1);
+  eng::reload_overrides_from_env();
+}
 TEST(GpuEngine, VarlenK) {
   run_k({kEdgeCounts, 192, 320, true, false});
   run_k({kEdgeCounts, 256, 128, false, true});
