@@ -69,8 +69,9 @@
 #             before them and a copy; GATHER_SHAPES=T:d:K:E,... replaces its shapes, GATHER_REPS 20)
 #             -> $OUT/gather/gather_sum.{json,txt} (bench/results/h100/gather_sum.md)
 #   ab        a same-call layer A/B (run after build: the build is side A). AB_PATCH (e.g.
-#             docs/wip/<name>.patch): applied, rebuilt as side B, AB_TEST_FILTER run on it, then
-#             reverted in the tree ($BUILD keeps side B); without it B is A's binary (env A/Bs).
+#             docs/wip/<name>.patch, or several space-separated, applied in order on top of each
+#             other): applied, rebuilt as side B, AB_TEST_FILTER run on it, then reverted in the
+#             tree ($BUILD keeps side B); without it B is A's binary (env A/Bs).
 #             AB_VARIANTS: side B's runs, 'name:VAR=v VAR2=w;name2:...' (default 'b:'); AB_ENV_A: side
 #             A's VAR=value words. layer_digest of A and of the first variant must match bitwise
 #             (AB_DIGEST=0: not compared). Then AB_ROUNDS (3) interleaved rounds (A, each variant) of
@@ -594,16 +595,24 @@ step_ab() {
     digest=1
     x cp "$BUILD/layer_digest" "$STATE/digest_a" || return 1
   fi
-  if [ -n "${AB_PATCH:-}" ]; then
-    x git apply "$AB_PATCH" || { say "AB_PATCH $AB_PATCH does not apply"; return 1; }
-    # The next build step (this machine may stay warm) must rebuild what side B changed.
-    dry || git apply --numstat "$AB_PATCH" | cut -f3 >>"$BUILD/.ab_patched_files"
-    x cmake --build "$BUILD" -j "$(nproc)" || { x git apply -R "$AB_PATCH"; return 1; }
+  # AB_PATCH: one patch, or several (space-separated) applied in that order on top of each other,
+  # reverted in the reverse order.
+  local patches=() applied=() p
+  read -r -a patches <<<"${AB_PATCH:-}"
+  unapply() { local i; for ((i = ${#applied[@]} - 1; i >= 0; i--)); do x git apply -R "${applied[i]}" || return 1; done; }
+  if [ ${#patches[@]} -gt 0 ]; then
+    for p in "${patches[@]}"; do
+      x git apply "$p" || { say "AB_PATCH $p does not apply"; unapply; return 1; }
+      applied+=("$p")
+      # The next build step (this machine may stay warm) must rebuild what side B changed.
+      dry || git apply --numstat "$p" | cut -f3 >>"$BUILD/.ab_patched_files"
+    done
+    x cmake --build "$BUILD" -j "$(nproc)" || { unapply; return 1; }
     if [ -n "${AB_TEST_FILTER:-}" ]; then
       xt -a "$d/test_b.log" "${TEST_TIMEOUT:-400}" "$BUILD/test_gpu" --gtest_filter="$AB_TEST_FILTER" || rc=1
       dry || grep -E "^\[  (PASSED|FAILED) " "$d/test_b.log"
     fi
-    x git apply -R "$AB_PATCH" || rc=1  # the tree as it was; $BUILD keeps side B
+    unapply || rc=1  # the tree as it was; $BUILD keeps side B
   fi
   local env_a=() env_b=()
   read -r -a env_a <<<"${AB_ENV_A:-}"

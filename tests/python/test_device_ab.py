@@ -84,3 +84,20 @@ def test_unseen_stem_runs_the_seeded_draw(tmp_path):
     side_a = json.loads((d / "a_unseen_1.json").read_text())
     assert [x["config"]["name"] for x in side_a["results"]] == [c["name"] for c in drawn]
     assert (d / "ab_b_unseen.md").exists()
+
+
+def test_several_patches_apply_in_order_and_revert_in_reverse(tmp_path):
+    # A dry run prints every command: both patches applied in the given order (cumulative, as
+    # docs/wip's check applies them), side B built once, tested, and the tree restored last-first.
+    e = dict(os.environ, DEVICE_DRY_RUN="1", BUILD=str(tmp_path / "build"), OUT=str(tmp_path / "out"),
+             AB_PATCH="docs/wip/one.patch docs/wip/two.patch", AB_TEST_FILTER="GpuEngine.*",
+             AB_CONFIGS="smoke_configs", AB_ROUNDS="1", SMOE_COMMIT="test")
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "device.sh"), "ab"], cwd=ROOT, env=e,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("+ ")]
+    want = ["git apply docs/wip/one.patch", "git apply docs/wip/two.patch", "cmake --build",
+            "test_gpu", "git apply -R docs/wip/two.patch", "git apply -R docs/wip/one.patch"]
+    at = [next(i for i, ln in enumerate(lines) if w in ln) for w in want]
+    assert at == sorted(at), lines
+    assert sum("git apply" in ln for ln in lines) == 4, lines
