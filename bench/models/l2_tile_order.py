@@ -14,8 +14,9 @@ weight slice BN x 64), then stream their outputs (and dA''s H) through L2: `--st
 bytes as never-reused keys (they occupy L2 as plain loads / stores would), 0 leaves them out
 (evict-first taken as free).
 
-Orders: `default` (expert, M-tile, N-tile innermost: the kernels today); `bandW` (docs/wip/
-n_band_tile_order.patch: an expert's N-tiles in bands of W, M-tiles inside a band); `blockG` (not
+Orders: `default` (expert, M-tile, N-tile innermost: the kernels' order below 48 MiB of weights per
+expert); `bandW` (src/engine/tile_order.h: an expert's N-tiles in bands of W, M-tiles inside a band;
+the kernels take band 8 from 48 MiB, heuristic.h kBandMinWeightBytes); `blockG` (not
 built: experts in blocks of G, a block's M-tiles walked in rounds, round j = M-tile j of each of its
 experts, so that a token's experts inside a block run close in time).
 

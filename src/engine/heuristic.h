@@ -40,7 +40,8 @@ constexpr int kStagedStore2MaxK = 256;
 // n8192's up-proj 18.0 GB -> 2.3 GB); below L2 the default order shares each M-tile's A rows
 // across the wave and bands only cost (30B n256's dX x0.83 at band 8). Measured on the H100
 // (bench/results/h100/n_band_ab.md): up-proj x1.14-1.15 and dA' x1.09-1.10 at 128 MB, x1.03-1.04
-// at 64-98 MB, 0.98-1.01 at 50-56 MB; band 8 beat 16 on the K = 1 shapes.
+// at 64-98 MB, 0.98-1.01 at 50-56 MB; band 8 beat 16 on the K = 1 shapes. Held out on 40 other
+// shapes (same file, last section): the banded up-proj x1.03-1.18 wherever it crosses the edge.
 constexpr int64_t kBandMinWeightBytes = int64_t{48} << 20;
 constexpr int kAutoNBand = 8;
 
