@@ -74,7 +74,8 @@
 #             tree ($BUILD keeps side B); without it B is A's binary (env A/Bs).
 #             AB_VARIANTS: side B's runs, 'name:VAR=v VAR2=w;name2:...' (default 'b:'); AB_ENV_A: side
 #             A's VAR=value words. layer_digest of A and of the first variant must match bitwise
-#             (AB_DIGEST=0: not compared). Then AB_ROUNDS (3) interleaved rounds (A, each variant) of
+#             (AB_DIGEST=0: not compared). Then AB_ROUNDS (3) interleaved rounds (A, each variant; even
+#             rounds in the reverse order unless AB_ORDER=fixed) of
 #             bench_layer over each configs file stem of AB_CONFIGS (default "configs wide_configs":
 #             bench/configs/<stem>.json; 'unseen': bench/configs/unseen.py's draw with seed
 #             AB_UNSEEN_SEED, default today's date, in $OUT/ab/unseen.json), SMOE_ENGINE_TUNE=0,
@@ -629,13 +630,26 @@ step_ab() {
       else say "digest: ${names[0]} DIFFERS from a"; diff "$d/digest_a.txt" "$d/digest_b.txt" | head -8; rc=1; fi
     fi
   fi
+  # The sides of a round: A, then each variant; AB_ORDER=alternate (the default) runs even rounds in
+  # the reverse order, so that no side always runs first or right after another (on the H100 a side's
+  # position in the round moved single stages by a few %: bench/results/h100/varlen_k_tail_ab.md);
+  # AB_ORDER=fixed keeps A first in every round.
+  local sides=(-a- "${variants[@]}") order="${AB_ORDER:-alternate}" k
+  case "$order" in alternate | fixed) ;; *) say "AB_ORDER=$order: alternate or fixed"; return 1 ;; esac
   for i in $(seq 1 "${AB_ROUNDS:-3}"); do
+    local round=("${sides[@]}")
+    if [ "$order" = alternate ] && [ $((i % 2)) -eq 0 ]; then
+      round=(); for ((k = ${#sides[@]} - 1; k >= 0; k--)); do round+=("${sides[k]}"); done
+    fi
     for stem in ${AB_CONFIGS:-configs wide_configs}; do
       f="bench/configs/$stem.json"
       [ "$stem" = unseen ] && f="$d/unseen.json"
-      xt -a "$d/a_${stem}_$i.log" "$t" env SMOE_ENGINE_TUNE=0 ${env_a[@]+"${env_a[@]}"} "$a_bin" --configs "$f" \
-        --warmup "$w" --reps "$r" --commit "$COMMIT" --out "$d/a_${stem}_$i.json" || rc=1
-      for v in "${variants[@]}"; do
+      for v in "${round[@]}"; do
+        if [ "$v" = -a- ]; then
+          xt -a "$d/a_${stem}_$i.log" "$t" env SMOE_ENGINE_TUNE=0 ${env_a[@]+"${env_a[@]}"} "$a_bin" --configs "$f" \
+            --warmup "$w" --reps "$r" --commit "$COMMIT" --out "$d/a_${stem}_$i.json" || rc=1
+          continue
+        fi
         name=${v%%:*}; vars=$(ab_vars "$v"); env_b=()
         read -r -a env_b <<<"$vars"
         xt -a "$d/${name}_${stem}_$i.log" "$t" env SMOE_ENGINE_TUNE=0 ${env_b[@]+"${env_b[@]}"} "$b_bin" \
@@ -650,7 +664,7 @@ step_ab() {
       local fa="" fb=""
       for i in $(seq 1 "${AB_ROUNDS:-3}"); do fa+="$d/a_${stem}_$i.json,"; fb+="$d/${name}_${stem}_$i.json,"; done
       x python3 bench/reports/layer_ab.py --a "a=$fa" --b "$name=$fb" --commit "$COMMIT${AB_PATCH:+ + $AB_PATCH}" \
-        --device "$gpu" --command "scripts/device.sh ab (AB_PATCH=${AB_PATCH:-} AB_VARIANTS=${AB_VARIANTS:-b:} AB_ENV_A=${AB_ENV_A:-}), $stem, ${AB_ROUNDS:-3} rounds, --warmup $w --reps $r" \
+        --device "$gpu" --command "scripts/device.sh ab (AB_PATCH=${AB_PATCH:-} AB_VARIANTS=${AB_VARIANTS:-b:} AB_ENV_A=${AB_ENV_A:-} AB_ORDER=${AB_ORDER:-alternate}), $stem, ${AB_ROUNDS:-3} rounds, --warmup $w --reps $r" \
         --out "$d/ab_${name}_${stem}.json" --md "$d/ab_${name}_${stem}.md" || rc=1
     done
   done

@@ -101,3 +101,38 @@ def test_several_patches_apply_in_order_and_revert_in_reverse(tmp_path):
     at = [next(i for i, ln in enumerate(lines) if w in ln) for w in want]
     assert at == sorted(at), lines
     assert sum("git apply" in ln for ln in lines) == 4, lines
+
+
+def dry_ab_sides(tmp_path, **env):
+    """The sides' output files in the order a dry run would run them."""
+    e = dict(os.environ, DEVICE_DRY_RUN="1", BUILD=str(tmp_path / "build"), OUT=str(tmp_path / "out"),
+             AB_CONFIGS="smoke_configs", AB_ROUNDS="3", AB_VARIANTS="b:;c:X=1", SMOE_COMMIT="test")
+    e.update(env)
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "device.sh"), "ab"], cwd=ROOT, env=e,
+                       capture_output=True, text=True, timeout=60)
+    runs = [ln.split("--out ")[1].split()[0].rsplit("/", 1)[1] for ln in r.stdout.splitlines()
+            if ln.startswith("+ ") and "--configs " in ln and "--out " in ln]
+    return r, runs
+
+
+def test_rounds_alternate_their_order_by_default(tmp_path):
+    # Even rounds run the sides in reverse, so no side always runs first or after the same one.
+    r, runs = dry_ab_sides(tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert runs == ["a_smoke_configs_1.json", "b_smoke_configs_1.json", "c_smoke_configs_1.json",
+                    "c_smoke_configs_2.json", "b_smoke_configs_2.json", "a_smoke_configs_2.json",
+                    "a_smoke_configs_3.json", "b_smoke_configs_3.json", "c_smoke_configs_3.json"], runs
+
+
+def test_fixed_order_keeps_a_first(tmp_path):
+    r, runs = dry_ab_sides(tmp_path, AB_ORDER="fixed", AB_ROUNDS="2")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert runs == ["a_smoke_configs_1.json", "b_smoke_configs_1.json", "c_smoke_configs_1.json",
+                    "a_smoke_configs_2.json", "b_smoke_configs_2.json", "c_smoke_configs_2.json"], runs
+
+
+def test_unknown_order_is_refused(tmp_path):
+    r, runs = dry_ab_sides(tmp_path, AB_ORDER="random")
+    assert r.returncode == 1
+    assert "AB_ORDER=random: alternate or fixed" in r.stdout
+    assert runs == []
