@@ -10,6 +10,8 @@
 #             with all cores; GoogleTest from .deps/googletest (the GPU machine has no
 #             libgtest-dev), CUTLASS from .deps/cutlass-<ver> (scripts/versions.env). When a later
 #             step needs the PyTorch extension, its build (pip install .) starts next to this one.
+#             BUILD_TARGETS='t1 t2': only those CMake targets (e.g. gather_sum_bench: seconds, not
+#             the ~70-110 s of everything)
 #   test      the GPU tests (test_gpu, TEST_FILTER selects; TEST_TIMEOUT, 400 s) and the main job
 #             (smoe_main: the GPU routing check and one layer benchmark)
 #   sanitize  compute-sanitizer on small GPU tests: memcheck, racecheck, synccheck
@@ -283,7 +285,9 @@ step_build() {
   fi
   x cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_COMPILER="$nvcc" -Wno-dev \
     ${gtest[@]+"${gtest[@]}"} -DSMOE_CUTLASS_DIR="$CUTLASS_SRC" || return 1
-  x cmake --build "$BUILD" -j "$(nproc)" || rc=1
+  # BUILD_TARGETS: only these CMake targets (a short call measuring one binary, e.g. gather_sum_bench).
+  # shellcheck disable=SC2086  # target names, space-separated
+  x cmake --build "$BUILD" -j "$(nproc)" ${BUILD_TARGETS:+--target $BUILD_TARGETS} || rc=1
   say "build: $(( $(date +%s) - t )) s"
   return $rc
 }

@@ -136,3 +136,17 @@ def test_unknown_order_is_refused(tmp_path):
     assert r.returncode == 1
     assert "AB_ORDER=random: alternate or fixed" in r.stdout
     assert runs == []
+
+
+def test_build_targets_limit_the_build(tmp_path):
+    e = dict(os.environ, DEVICE_DRY_RUN="1", BUILD=str(tmp_path / "build"), OUT=str(tmp_path / "out"),
+             BUILD_TARGETS="gather_sum_bench test_gpu", SMOE_COMMIT="test")
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "device.sh"), "build"], cwd=ROOT, env=e,
+                       capture_output=True, text=True, timeout=60)
+    builds = [ln for ln in r.stdout.splitlines() if ln.startswith("+ cmake --build")]
+    assert len(builds) == 1 and builds[0].endswith("--target gather_sum_bench test_gpu"), r.stdout
+    e.pop("BUILD_TARGETS")
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "device.sh"), "build"], cwd=ROOT, env=e,
+                       capture_output=True, text=True, timeout=60)
+    builds = [ln for ln in r.stdout.splitlines() if ln.startswith("+ cmake --build")]
+    assert len(builds) == 1 and "--target" not in builds[0], r.stdout
