@@ -11,7 +11,10 @@ ratio is listed too. The weight-gradient stages (dW1 + dW2, varlen-K) are report
 the two builds run the same dW kernels, their ratio is this A/B's noise (on the H100 whole passes
 moved by up to 10% with the GPU's clock). A second table gives every GEMM stage's ratio per config
 beside one expert's weight bytes (W1: 2n x d bf16; W2 and the down-proj / dA' GEMMs hold half of it),
-for rules that depend on them (e.g. the varlen-M tile order's bands).
+for rules that depend on them (e.g. the varlen-M tile order's bands). With two passes or more a third
+table splits every GEMM stage's ratio into the odd and the even rounds: `scripts/device.sh ab` reverses
+the sides' order in even rounds (AB_ORDER=alternate), so a ratio that holds in both halves is not a
+side's position in the round (on the H100 positions moved single stages by a few %).
 """
 
 import argparse
@@ -56,6 +59,23 @@ def geomean(v):
     return math.exp(sum(math.log(x) for x in v) / len(v)) if v else None
 
 
+def odd_even(pa, pb, name):
+    """Per GEMM stage [a / b over rounds 1, 3, ..., a / b over rounds 2, 4, ...] (lowest pass per side
+    within each half); {} with fewer than two rounds."""
+    out = {}
+    if min(len(pa), len(pb)) < 2:
+        return out
+    for k in GEMM_STAGES:
+        half = []
+        for start in (0, 1):
+            va = min((p[name][1].get(k + "_ms", math.inf) for p in pa[start::2]), default=math.inf)
+            vb = min((p[name][1].get(k + "_ms", math.inf) for p in pb[start::2]), default=math.inf)
+            half.append(va / vb if math.isfinite(va) and math.isfinite(vb) and vb > 0 else None)
+        if None not in half:
+            out[k] = half
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--a", required=True, help="name=pass1.json,pass2.json,... (the baseline)")
@@ -85,7 +105,8 @@ def main():
         dw = lambda s: sum(stages.get(k, {}).get(s, 0.0) for k in ("bwd.dW1", "bwd.dW2"))  # noqa: E731
         rows.append({"config": name, "w1_mib": w1_mib(pa[0][name][2]), na + "_ms": ta, nb + "_ms": tb,
                      "speedup": ta / tb, "per_pass": passes,
-                     "dw_ratio": dw(na) / dw(nb) if dw(nb) > 0 else None, "stages": stages})
+                     "dw_ratio": dw(na) / dw(nb) if dw(nb) > 0 else None, "stages": stages,
+                     "stages_odd_even": odd_even(pa, pb, name)})
     speed = [r["speedup"] for r in rows]
     summary = {"configs": len(rows), "geomean": geomean(speed), "min": min(speed, default=None),
                "max": max(speed, default=None), "dw_geomean": geomean([r["dw_ratio"] for r in rows if r["dw_ratio"]])}
@@ -117,6 +138,17 @@ def main():
             cells.append(f"{v[na] / v[nb]:.2f}" if v and v[nb] > 0 else "-")
         w = f"{r['w1_mib']:.1f}" if r["w1_mib"] is not None else "-"
         md.append(f"| {r['config']} | {w} | " + " | ".join(cells) + " |")
+    split = [r for r in rows if r["stages_odd_even"]]
+    if split:
+        off = [(r["config"], k) for r in split for k, (o, e) in r["stages_odd_even"].items() if abs(o / e - 1) > 0.03]
+        md += ["", f"Every GEMM stage's {na} / {nb}, odd rounds / even rounds (device.sh ab reverses the sides' "
+               f"order in even rounds): {len(off)} of {sum(len(r['stages_odd_even']) for r in split)} stage "
+               f"ratios differ by more than 3% between the halves.", "",
+               "| config | " + " | ".join(k.split(".")[1] for k in GEMM_STAGES) + " |",
+               "|---|" + "---|" * len(GEMM_STAGES)]
+        for r in split:
+            cells = [f"{v[0]:.2f} / {v[1]:.2f}" if (v := r["stages_odd_even"].get(k)) else "-" for k in GEMM_STAGES]
+            md.append(f"| {r['config']} | " + " | ".join(cells) + " |")
     text = "\n".join(md) + "\n"
     if args.md:
         open(args.md, "w").write(text)

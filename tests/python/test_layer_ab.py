@@ -41,3 +41,32 @@ def test_same_names_refused(tmp_path):
     a = bench_pass(tmp_path / "a.json", 3.0, 1.0)
     r = subprocess.run([sys.executable, str(SCRIPT), "--a", "x=" + a, "--b", "x=" + a], capture_output=True, text=True)
     assert r.returncode != 0 and "different names" in r.stderr
+
+
+def test_odd_and_even_rounds_split(tmp_path):
+    # up-proj: b gains 1.25x in the odd rounds and nothing in the even ones (a side's position moved
+    # it); every other stage equal: 1 of 6 stage ratios differs between the halves.
+    ups_a, ups_b = (1.0, 1.0, 1.1, 1.05), (0.8, 1.0, 0.85, 1.0)
+    a = [bench_pass(tmp_path / f"a{i}.json", 3.0, u) for i, u in enumerate(ups_a)]
+    b = [bench_pass(tmp_path / f"b{i}.json", 3.0, u) for i, u in enumerate(ups_b)]
+    out, md = tmp_path / "ab.json", tmp_path / "ab.md"
+    r = subprocess.run([sys.executable, str(SCRIPT), "--a", "old=" + ",".join(a), "--b", "new=" + ",".join(b),
+                        "--out", str(out), "--md", str(md)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    (row,) = json.loads(out.read_text())["rows"]
+    assert [round(x, 6) for x in row["stages_odd_even"]["fwd.up_proj"]] == [1.25, 1.0]
+    assert row["stages_odd_even"]["bwd.dW1"] == [1.0, 1.0]
+    text = md.read_text()
+    assert "1 of 6 stage ratios differ by more than 3% between the halves" in text
+    assert "| c1 | 1.25 / 1.00 | 1.00 / 1.00 |" in text
+
+
+def test_one_round_has_no_split(tmp_path):
+    a = [bench_pass(tmp_path / "a.json", 3.0, 1.0)]
+    b = [bench_pass(tmp_path / "b.json", 3.0, 1.0)]
+    out, md = tmp_path / "ab.json", tmp_path / "ab.md"
+    r = subprocess.run([sys.executable, str(SCRIPT), "--a", "old=" + ",".join(a), "--b", "new=" + ",".join(b),
+                        "--out", str(out), "--md", str(md)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(out.read_text())["rows"][0]["stages_odd_even"] == {}
+    assert "odd rounds / even rounds" not in md.read_text()
