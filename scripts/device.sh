@@ -587,7 +587,8 @@ step_ab() {
   need_bin bench_layer ab || return 1
   local d="$OUT/ab" rc=0 a_bin="$STATE/bench_a" b_bin="$BUILD/bench_layer" digest=0
   local w="${AB_WARMUP:-2}" r="${AB_REPS:-8}" t="${AB_TIMEOUT:-150}" i stem v name vars f
-  local variants=() names=()
+  local variants=() names=() order="${AB_ORDER:-alternate}"
+  case "$order" in alternate | fixed) ;; *) say "AB_ORDER=$order: alternate or fixed"; return 1 ;; esac
   IFS=';' read -r -a variants <<<"${AB_VARIANTS:-b:}"
   for v in "${variants[@]}"; do
     name=${v%%:*}
@@ -635,11 +636,11 @@ step_ab() {
     fi
   fi
   # The sides of a round: A, then each variant; AB_ORDER=alternate (the default) runs even rounds in
-  # the reverse order, so that no side always runs first or right after another (on the H100 a side's
-  # position in the round moved single stages by a few %: bench/results/h100/varlen_k_tail_ab.md);
-  # AB_ORDER=fixed keeps A first in every round.
-  local sides=(-a- "${variants[@]}") order="${AB_ORDER:-alternate}" k
-  case "$order" in alternate | fixed) ;; *) say "AB_ORDER=$order: alternate or fixed"; return 1 ;; esac
+  # the reverse order, so that no side always runs first or right after another. (On the H100 two
+  # variants of one binary, second and third in every round, measured the same dW kernels 4-7% apart in
+  # geomean, up to 14% on one shape:
+  # bench/results/h100/dswiglu_staged_ab.json, pps against plain.) AB_ORDER=fixed keeps A first.
+  local sides=(-a- "${variants[@]}") k
   for i in $(seq 1 "${AB_ROUNDS:-3}"); do
     local round=("${sides[@]}")
     if [ "$order" = alternate ] && [ $((i % 2)) -eq 0 ]; then

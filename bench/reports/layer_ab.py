@@ -14,7 +14,8 @@ beside one expert's weight bytes (W1: 2n x d bf16; W2 and the down-proj / dA' GE
 for rules that depend on them (e.g. the varlen-M tile order's bands). With two passes or more a third
 table splits every GEMM stage's ratio into the odd and the even rounds: `scripts/device.sh ab` reverses
 the sides' order in even rounds (AB_ORDER=alternate), so a ratio that holds in both halves is not a
-side's position in the round (on the H100 positions moved single stages by a few %).
+side's position in the round (on the H100 two variants of one binary measured the same dW kernels
+4-7% apart in geomean when they always ran second and third: bench/results/h100/dswiglu_staged_ab.json).
 """
 
 import argparse
