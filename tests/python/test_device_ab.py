@@ -86,14 +86,20 @@ def test_unseen_stem_runs_the_seeded_draw(tmp_path):
     assert (d / "ab_b_unseen.md").exists()
 
 
+def dry_run(tmp_path, step, **env):
+    """scripts/device.sh STEP with DEVICE_DRY_RUN=1: it prints every command ('+ ...'), runs none."""
+    e = {k: v for k, v in os.environ.items() if not k.startswith("AB_") and k != "BUILD_TARGETS"}
+    e.update(DEVICE_DRY_RUN="1", BUILD=str(tmp_path / "build"), OUT=str(tmp_path / "out"), SMOE_COMMIT="test")
+    e.update(env)
+    return subprocess.run(["bash", str(ROOT / "scripts" / "device.sh"), step], cwd=ROOT, env=e,
+                          capture_output=True, text=True, timeout=60)
+
+
 def test_several_patches_apply_in_order_and_revert_in_reverse(tmp_path):
-    # A dry run prints every command: both patches applied in the given order (cumulative, as
-    # docs/wip's check applies them), side B built once, tested, and the tree restored last-first.
-    e = dict(os.environ, DEVICE_DRY_RUN="1", BUILD=str(tmp_path / "build"), OUT=str(tmp_path / "out"),
-             AB_PATCH="docs/wip/one.patch docs/wip/two.patch", AB_TEST_FILTER="GpuEngine.*",
-             AB_CONFIGS="smoke_configs", AB_ROUNDS="1", SMOE_COMMIT="test")
-    r = subprocess.run(["bash", str(ROOT / "scripts" / "device.sh"), "ab"], cwd=ROOT, env=e,
-                       capture_output=True, text=True, timeout=60)
+    # Both patches applied in the given order (cumulative, as docs/wip's check applies them), side B
+    # built once, tested, and the tree restored last-first.
+    r = dry_run(tmp_path, "ab", AB_PATCH="docs/wip/one.patch docs/wip/two.patch", AB_TEST_FILTER="GpuEngine.*",
+                AB_CONFIGS="smoke_configs", AB_ROUNDS="1")
     assert r.returncode == 0, r.stdout + r.stderr
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("+ ")]
     want = ["git apply docs/wip/one.patch", "git apply docs/wip/two.patch", "cmake --build",
@@ -105,11 +111,7 @@ def test_several_patches_apply_in_order_and_revert_in_reverse(tmp_path):
 
 def dry_ab_sides(tmp_path, **env):
     """The sides' output files in the order a dry run would run them."""
-    e = dict(os.environ, DEVICE_DRY_RUN="1", BUILD=str(tmp_path / "build"), OUT=str(tmp_path / "out"),
-             AB_CONFIGS="smoke_configs", AB_ROUNDS="3", AB_VARIANTS="b:;c:X=1", SMOE_COMMIT="test")
-    e.update(env)
-    r = subprocess.run(["bash", str(ROOT / "scripts" / "device.sh"), "ab"], cwd=ROOT, env=e,
-                       capture_output=True, text=True, timeout=60)
+    r = dry_run(tmp_path, "ab", **{"AB_CONFIGS": "smoke_configs", "AB_ROUNDS": "3", "AB_VARIANTS": "b:;c:X=1", **env})
     runs = [ln.split("--out ")[1].split()[0].rsplit("/", 1)[1] for ln in r.stdout.splitlines()
             if ln.startswith("+ ") and "--configs " in ln and "--out " in ln]
     return r, runs
@@ -139,14 +141,9 @@ def test_unknown_order_is_refused(tmp_path):
 
 
 def test_build_targets_limit_the_build(tmp_path):
-    e = dict(os.environ, DEVICE_DRY_RUN="1", BUILD=str(tmp_path / "build"), OUT=str(tmp_path / "out"),
-             BUILD_TARGETS="gather_sum_bench test_gpu", SMOE_COMMIT="test")
-    r = subprocess.run(["bash", str(ROOT / "scripts" / "device.sh"), "build"], cwd=ROOT, env=e,
-                       capture_output=True, text=True, timeout=60)
+    r = dry_run(tmp_path, "build", BUILD_TARGETS="gather_sum_bench test_gpu")
     builds = [ln for ln in r.stdout.splitlines() if ln.startswith("+ cmake --build")]
     assert len(builds) == 1 and builds[0].endswith("--target gather_sum_bench test_gpu"), r.stdout
-    e.pop("BUILD_TARGETS")
-    r = subprocess.run(["bash", str(ROOT / "scripts" / "device.sh"), "build"], cwd=ROOT, env=e,
-                       capture_output=True, text=True, timeout=60)
+    r = dry_run(tmp_path, "build")
     builds = [ln for ln in r.stdout.splitlines() if ln.startswith("+ cmake --build")]
     assert len(builds) == 1 and "--target" not in builds[0], r.stdout
