@@ -24,6 +24,7 @@
 #include "device_random.cuh"
 #include "engine/heuristic.h"
 #include "engine/overrides.h"
+#include "engine/tune_policy.h"
 #include "engine/tune_store.h"
 #include "engine/tuner.h"
 #include "layer_bench.h"
@@ -189,6 +190,12 @@ int main(int argc, char** argv) {
   eng::Overrides o = eng::overrides();  // the environment's (SMOE_ENGINE_PRINT etc.) ...
   if (o.forces()) {
     std::fprintf(stderr, "smoe_tune: an SMOE_ENGINE_* switch forces a choice, so nothing would be measured\n");
+    return 2;
+  }
+  if (eng::changes_timing_context(o)) {
+    std::fprintf(stderr,
+                 "smoe_tune: SMOE_ENGINE_N_BAND or SMOE_ENGINE_STORE_CS=0 is set: its timings would be stored under keys "
+                 "that default runs read; unset it to tune\n");
     return 2;
   }
   o.tune = true;  // ... with measuring on

@@ -50,8 +50,11 @@ MeasureDecision decide_measure(const Overrides& o, bool cached, int64_t rows, Ca
   if (rows <= 0) return MeasureDecision::kEmpty;
   if (capture != Capture::kNone) return MeasureDecision::kCapturing;
   if (overlap) return MeasureDecision::kOverlap;
+  if (changes_timing_context(o)) return MeasureDecision::kContext;
   return MeasureDecision::kMeasure;
 }
+
+bool changes_timing_context(const Overrides& o) { return o.n_band >= 0 || !o.store_streaming; }
 
 const char* to_string(MeasureDecision d) {
   switch (d) {
@@ -60,6 +63,7 @@ const char* to_string(MeasureDecision d) {
     case MeasureDecision::kEmpty: return "no rows: not measured";
     case MeasureDecision::kCapturing: return "capturing: not measured";
     case MeasureDecision::kOverlap: return "outputs overlap inputs: not measured";
+    case MeasureDecision::kContext: return "SMOE_ENGINE_N_BAND / STORE_CS set: not measured";
     case MeasureDecision::kMeasure: return "measured";
   }
   return "?";

@@ -30,9 +30,15 @@ enum class MeasureDecision {
   kEmpty,      // no rows: nothing to time (the heuristic; the key stays unseen)
   kCapturing,  // inside stream capture: never measure there (the heuristic; measured later, eagerly)
   kOverlap,    // an output overlaps an input: repeated runs would not see the call's inputs
+  kContext,    // SMOE_ENGINE_N_BAND or SMOE_ENGINE_STORE_CS=0 set: the timings would be of another tile
+               // order or store than a default run's, under a key that does not record either
   kMeasure,
 };
 MeasureDecision decide_measure(const Overrides& o, bool cached, int64_t rows, Capture capture, bool overlap);
+// Whether a switch changes how every candidate runs without choosing among them (the varlen-M tile
+// order, the stores' cache hint): the cache is still read (its choices run correctly under either),
+// but nothing is measured into it, so the shared file only holds default-context timings.
+bool changes_timing_context(const Overrides& o);
 const char* to_string(MeasureDecision d);
 
 // Whether any output of the call overlaps any of its inputs. The tuner runs every candidate on the

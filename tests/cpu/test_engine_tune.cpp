@@ -248,6 +248,17 @@ TEST(EngineTune, WhenACallIsMeasured) {
   eng::Overrides off = on;
   off.tune = false;
   EXPECT_EQ(eng::decide_measure(off, false, 1000, C::kNone, false), D::kOff);
+  // A switch that changes how every candidate runs (not which one): read the cache, measure nothing.
+  for (const bool band : {true, false}) {
+    eng::Overrides ctx = on;
+    if (band) ctx.n_band = 0;  // 0 forces one band too: still not the rule's order
+    else ctx.store_streaming = false;
+    EXPECT_TRUE(eng::changes_timing_context(ctx));
+    EXPECT_FALSE(ctx.forces());
+    EXPECT_EQ(eng::decide_measure(ctx, false, 1000, C::kNone, false), D::kContext);
+    EXPECT_EQ(eng::decide_measure(ctx, true, 1000, C::kNone, false), D::kCached);
+  }
+  EXPECT_FALSE(eng::changes_timing_context(on));
   // The switch: 1 measures (and reads the cache), 0 ignores the cache, unset reads it only.
   auto with_tune = [](const char* v) {
     static const char* value;
