@@ -22,6 +22,10 @@ COLUMNS = [
                "dram__throughput.avg.pct_of_peak_sustained_elapsed"], 1),
     ("occ%", ["sm__warps_active.avg.pct_of_peak_sustained_active"], 1),
 ]
+# Shown only where the report has them (NCU_FLAGS='--metrics dram__bytes_read.sum,dram__bytes_write.sum'):
+# the bytes a kernel moved to and from DRAM, in GB, to set beside what it must move.
+BYTE_COLUMNS = [("DRAM rd GB", "dram__bytes_read.sum"), ("DRAM wr GB", "dram__bytes_write.sum")]
+BYTE_SCALE = {"byte": 1e-9, "Kbyte": 1e-6, "Mbyte": 1e-3, "Gbyte": 1.0, "Tbyte": 1e3}
 STALL = re.compile(r"^smsp__average_warps_issue_stalled_(\w+?)_per_issue_active\.ratio$")
 TIME_SCALE = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3}
 
@@ -34,10 +38,15 @@ def number(s):
 
 
 def short_name(name, width=70):
-    """engine_kernel<...Traits...> names are long: keep the template's telling parts."""
+    """engine_kernel<...Traits...> names are long: keep the template's telling parts, the epilogue
+    (which GEMM of the layer it is) included where the cut would drop it."""
     n = re.sub(r"\s+", " ", name)
     n = n.replace("smoe::engine::", "").replace("cute::", "").replace("(anonymous namespace)::", "")
-    return n if len(n) <= width else n[: width - 3] + "..."
+    if len(n) <= width:
+        return n
+    epi = re.findall(r"\bEpi\w+", n)
+    tail = f" {epi[-1]}" if epi and epi[-1] not in n[: width - 3] else ""
+    return n[: width - 3 - len(tail)] + "..." + tail
 
 
 def read_raw(path):
@@ -62,8 +71,11 @@ def summarize(path):
     if kcol is None:
         raise SystemExit(f"{path}: no 'Kernel Name' column")
     stall_cols = [(m.group(1), i) for h, i in idx.items() for m in [STALL.match(h)] if m]
-    out = ["| # | kernel | " + " | ".join(c[0] for c in COLUMNS) + " | top stalls (cycles / issue) |",
-           "|---|---|" + "---|" * len(COLUMNS) + "---|"]
+    byte_cols = [(col, idx[name], BYTE_SCALE.get(unit_of.get(name, "byte"), 1e-9))
+                 for col, name in BYTE_COLUMNS if name in idx]
+    heads = [c[0] for c in COLUMNS] + [c[0] for c in byte_cols]
+    out = ["| # | kernel | " + " | ".join(heads) + " | top stalls (cycles / issue) |",
+           "|---|---|" + "---|" * len(heads) + "---|"]
     for k, row in enumerate(data):
         cells = []
         for col, names, scale in COLUMNS:
@@ -75,6 +87,9 @@ def summarize(path):
                         scale = TIME_SCALE.get(unit_of.get(name, "nsecond"), scale)
                     break
             cells.append("-" if v is None else f"{v * scale:.1f}")
+        for _, i, scale in byte_cols:
+            v = number(row[i]) if i < len(row) else None
+            cells.append("-" if v is None else f"{v * scale:.2f}")
         stalls = sorted(((number(row[i]) or 0.0, n) for n, i in stall_cols if i < len(row)), reverse=True)[:3]
         top = ", ".join(f"{n} {v:.1f}" for v, n in stalls if v > 0) or "-"
         out.append(f"| {k} | {short_name(row[kcol])} | " + " | ".join(cells) + f" | {top} |")

@@ -65,3 +65,28 @@ def test_nanosecond_durations_are_scaled_to_microseconds(tmp_path):
 def test_a_page_without_kernels_is_an_error(tmp_path):
     with pytest.raises(SystemExit):
         ns.summarize(write(tmp_path, UNITS, []))
+
+
+def test_dram_bytes_columns_where_the_report_has_them(tmp_path):
+    header = HEADER + ["dram__bytes_read.sum", "dram__bytes_write.sum"]
+    units = UNITS + ["Gbyte", "Mbyte"]
+    rows = [r + v for r, v in zip(ROWS, [["7.508016", "1,614.9"], ["0.5", "12.0"]])]
+    p = tmp_path / "r.csv"
+    with open(p, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerows([header, units] + rows)
+    out = ns.summarize(str(p)).splitlines()
+    assert "| DRAM rd GB | DRAM wr GB |" in out[0]
+    assert "| 30.0 | - | 7.51 | 1.61 |" in out[2]     # Gbyte as is, Mbyte / 1000
+    assert "| 0.50 | 0.01 |" in out[3]
+    # Without the metrics the table is as before.
+    assert "DRAM rd GB" not in ns.summarize(write(tmp_path, UNITS, ROWS))
+
+
+def test_long_names_keep_their_epilogue():
+    name = ("void smoe::engine::engine_kernel<smoe::engine::VarlenMKernel<smoe::engine::TileConfig<(int)128, (int)6, "
+            "(cute::SM90::GMMA::Major)0, (cute::SM90::GMMA::Major)1, (bool)1, (int)1, (int)128>, "
+            "(smoe::engine::ALoad)1, smoe::engine::EpiDSwiGLUT<(bool)0>>>(T1::Params)")
+    s = ns.short_name(name)
+    assert len(s) <= 70 and s.endswith("... EpiDSwiGLUT") and s.startswith("void engine_kernel<VarlenMKernel<")
+    assert ns.short_name("route_kernel") == "route_kernel"
