@@ -5,6 +5,7 @@ model of L2 fed the tiles' operand accesses in the order the persistent schedule
   python3 bench/models/l2_tile_order.py --case dA-1.4B --l2-mb 50 --orders default,block16,block32
   python3 bench/models/l2_tile_order.py --case up-E16K1 --orders default,band4,band8,band16
   python3 bench/models/l2_tile_order.py --shape 16384,2880,2880,128,4 --gemm down --orders default,band8 --tile-keys
+  python3 bench/models/l2_tile_order.py --shape 32768,4096,1024,128,8 --gemm dA --tile-keys --drift 0,8,32
 
 What it models (tile_scheduler.cuh, tile_order.h): experts' rows in ascending token order (routing's
 stable sort), tiles of BM = 128 rows x BN columns, run in waves of --sms tiles (the persistent grid:
@@ -92,10 +93,13 @@ def tiles(rows, n_tiles, order, BM=128):
         raise SystemExit(f"unknown order {order}")
 
 
-def simulate(case, order, l2_bytes, stream, seed=0, BM=128, sms=132, BK=64, tile_keys=False):
+def simulate(case, order, l2_bytes, stream, seed=0, BM=128, sms=132, BK=64, tile_keys=False, drift=0):
     """Reads by kind ({'x', 'w', 'stream'}: bytes) and the compulsory bytes. Tiles run in waves of
     `sms` (the persistent grid), a wave's tiles in step through the reduction: K-slice k of every
-    tile of the wave (A rows, B columns) before slice k + 1, then the wave's epilogue streams."""
+    tile of the wave (A rows, B columns) before slice k + 1, then the wave's epilogue streams.
+    drift > 0: the wave's tiles are not in step: tile i starts o_i K-slices late (o_i uniform in
+    [0, drift], seeded), so at step s it loads slice s - o_i; siblings that share an M-tile's rows or
+    an N-tile's weights then touch them apart in time, as CTAs whose epilogues or waits differ do."""
     c = CASES[case] if isinstance(case, str) else case
     rng = random.Random(seed)
     rows = route(c["T"], c["E"], c["K"], rng)
@@ -125,11 +129,16 @@ def simulate(case, order, l2_bytes, stream, seed=0, BM=128, sms=132, BK=64, tile
             held -= s
 
     order_list = list(tiles(rows, n_tiles, order, BM))
+    lag_rng = random.Random(seed + 1)
     for w0 in range(0, len(order_list), sms):
         wave = [(e, u, nt, rows[e][u * BM:(u + 1) * BM]) for e, u, nt in order_list[w0:w0 + sms]]
-        for k in range(k_slices):
-            bk = min(BK, d - k * BK)  # the last slice may be narrower
-            for e, u, nt, toks in wave:
+        lags = [lag_rng.randint(0, drift) if drift > 0 else 0 for _ in wave]
+        for step in range(k_slices + max(lags)):
+            for (e, u, nt, toks), lag in zip(wave, lags):
+                k = step - lag
+                if not 0 <= k < k_slices:
+                    continue
+                bk = min(BK, d - k * BK)  # the last slice may be narrower
                 if per_token:
                     for t in toks:
                         touch(("x", t, k), 2 * bk, "x")
@@ -159,6 +168,8 @@ def main():
     p.add_argument("--stream", type=int, default=1, choices=(0, 1))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sms", type=int, default=132, help="CTAs of the persistent grid (one wave)")
+    p.add_argument("--drift", default="0",
+                   help="comma list: each tile of a wave starts up to this many K-slices late (0: in step)")
     p.add_argument("--tile-keys", action="store_true",
                    help="gathered rows keyed per tile, not per token (fast; ignores reuse across experts)")
     a = p.parse_args()
@@ -166,13 +177,15 @@ def main():
         p.error("give --case or --shape")
     case = a.case or make_case(a.shape, a.gemm, a.bn)
     name = a.case or f"{a.gemm} {a.shape} BN{a.bn}"
-    print(f"| case | order | L2 MB | streams in L2 | source rows MB | weights MB | streamed reads MB | total reads MB | compulsory MB |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(f"| case | order | drift | L2 MB | streams in L2 | source rows MB | weights MB | streamed reads MB | total reads MB | compulsory MB |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for order in a.orders.split(","):
-        reads, comp = simulate(case, order, a.l2_mb * 1e6, a.stream, a.seed, sms=a.sms, tile_keys=a.tile_keys)
-        tot = sum(reads.values())
-        print(f"| {name} | {order} | {a.l2_mb:g} | {a.stream} | {reads['x'] / 1e6:.0f} | {reads['w'] / 1e6:.0f} | "
-              f"{reads['stream'] / 1e6:.0f} | {tot / 1e6:.0f} | {comp / 1e6:.0f} |")
+        for drift in (int(v) for v in a.drift.split(",")):
+            reads, comp = simulate(case, order, a.l2_mb * 1e6, a.stream, a.seed, sms=a.sms, tile_keys=a.tile_keys,
+                                   drift=drift)
+            tot = sum(reads.values())
+            print(f"| {name} | {order} | {drift} | {a.l2_mb:g} | {a.stream} | {reads['x'] / 1e6:.0f} | "
+                  f"{reads['w'] / 1e6:.0f} | {reads['stream'] / 1e6:.0f} | {tot / 1e6:.0f} | {comp / 1e6:.0f} |")
 
 
 if __name__ == "__main__":

@@ -60,3 +60,16 @@ def test_shape_cases_size_each_gemm():
     odd = m.make_case("512,2880,1440,4,1", "down", 128)
     reads, comp = m.simulate(odd, "band8", 1e12, 1)
     assert sum(reads.values()) == comp
+
+
+def test_drift_spreads_a_waves_reuse_over_time(monkeypatch):
+    monkeypatch.setitem(m.CASES, "tiny", dict(T=2048, d=1024, E=16, K=4, N=512, BN=128, stream_read=0, stream_write=3))
+    # drift 0 is the in-step wave; with room for everything, drift changes nothing (each byte once).
+    assert m.simulate("tiny", "default", 1e12, 1, drift=0) == m.simulate("tiny", "default", 1e12, 1)
+    assert m.simulate("tiny", "default", 1e12, 1, drift=8) == m.simulate("tiny", "default", 1e12, 1)
+    # An L2 that holds a few of the wave's K-slices (~0.5 MB each here): in step, siblings share every
+    # slice; drifted by more than L2 holds, they fetch it again.
+    step, comp = m.simulate("tiny", "default", 2e6, 1, sms=32)
+    drifted, _ = m.simulate("tiny", "default", 2e6, 1, sms=32, drift=16)
+    assert sum(step.values()) >= comp
+    assert sum(drifted.values()) > sum(step.values())
