@@ -67,7 +67,7 @@ def test_drift_spreads_a_waves_reuse_over_time(monkeypatch):
     # drift 0 is the in-step wave; with room for everything, drift changes nothing (each byte once).
     assert m.simulate("tiny", "default", 1e12, 1, drift=0) == m.simulate("tiny", "default", 1e12, 1)
     assert m.simulate("tiny", "default", 1e12, 1, drift=8) == m.simulate("tiny", "default", 1e12, 1)
-    # An L2 that holds a few of the wave's K-slices (~0.5 MB each here): in step, siblings share every
+    # An L2 that holds a few of the wave's K-slices (~0.25 MB of distinct rows and weights each here): in step, siblings share every
     # slice; drifted by more than L2 holds, they fetch it again.
     step, comp = m.simulate("tiny", "default", 2e6, 1, sms=32)
     drifted, _ = m.simulate("tiny", "default", 2e6, 1, sms=32, drift=16)
