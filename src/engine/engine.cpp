@@ -27,14 +27,16 @@ int varlen_m_n_band(int n_tiles, int64_t expert_weight_bytes) {
   if (b < 0) b = expert_weight_bytes >= kBandMinWeightBytes ? kAutoNBand : 0;
   return b > 0 && b < n_tiles ? b : n_tiles;
 }
+int varlen_m_n_band(int N, int K, int bn) {
+  return varlen_m_n_band((N + bn - 1) / bn, int64_t{N} * K * static_cast<int64_t>(sizeof(uint16_t)));  // bf16 B
+}
 
 namespace {
 
 // The band the chosen instance's params will take (make_params): "all" for one band.
 std::string n_band_text(int N, int K, int bn) {
-  const int n_tiles = (N + bn - 1) / bn;
-  const int b = varlen_m_n_band(n_tiles, int64_t{N} * K * 2);
-  return b >= n_tiles ? std::string("all") : std::to_string(b);
+  const int b = varlen_m_n_band(N, K, bn);
+  return b >= (N + bn - 1) / bn ? std::string("all") : std::to_string(b);
 }
 
 // choose_config (engine.h): a measured choice where the cache has the call's key (and nothing

@@ -72,6 +72,9 @@ bool store_streaming();
 // n_tiles), else kAutoNBand where those weights reach kBandMinWeightBytes (heuristic.h) and one band
 // (n_tiles: every N-tile of an M-tile in turn) below. Read at launch by the varlen-M kernels' params.
 int varlen_m_n_band(int n_tiles, int64_t expert_weight_bytes);
+// The same for a varlen-M GEMM of extents N x K (one expert's B: N x K bf16) in column tiles of bn:
+// what its params take (make_params) and what SMOE_ENGINE_PRINT reports, from one expression.
+int varlen_m_n_band(int N, int K, int bn);
 
 }  // namespace engine
 }  // namespace smoe

@@ -236,7 +236,7 @@ struct VarlenMKernel {
     p.K = K;
     p.a_rows = a_rows;
     p.n_tiles = (N + Cfg::BN - 1) / Cfg::BN;
-    p.n_band = varlen_m_n_band(p.n_tiles, int64_t{N} * K * static_cast<int64_t>(sizeof(Bf16)));
+    p.n_band = varlen_m_n_band(N, K, Cfg::BN);
     p.expert_offset = offset;
     p.a_gather = reinterpret_cast<const Bf16*>(A);
     p.gather_idx = gather;

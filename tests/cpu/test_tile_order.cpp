@@ -118,5 +118,11 @@ TEST(TileOrder, RuleBandsExpertsWiderThanL2) {
   // Fewer N-tiles than a band: one band.
   EXPECT_EQ(eng::varlen_m_n_band(eng::kAutoNBand, int64_t{1} << 40), eng::kAutoNBand);
   EXPECT_EQ(eng::varlen_m_n_band(3, int64_t{1} << 40), 3);
+  // By extents, as make_params and SMOE_ENGINE_PRINT take it: N-tiles of bn, N x K bf16 weights.
+  EXPECT_EQ(eng::varlen_m_n_band(16384, 4096, 128), eng::kAutoNBand);  // 128 MiB, 128 tiles
+  EXPECT_EQ(eng::varlen_m_n_band(2048, 512, 128), 16) << "2 MiB: one band of all 16 tiles";
+  EXPECT_EQ(eng::varlen_m_n_band(2880, 8192, 192), 15) << "45 MiB: below the rule, all 15 tiles in one band";
+  EXPECT_EQ(eng::varlen_m_n_band(3072, 8192, 192), eng::kAutoNBand) << "48 MiB: bands";
+  EXPECT_EQ(eng::varlen_m_n_band(2881, 8192, 192), 16) << "a partial last N-tile counts as a tile";
   eng::set_overrides(saved);
 }
