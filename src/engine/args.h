@@ -56,6 +56,11 @@ struct VarlenKArgs {
   const bf16* Q = nullptr;
   int64_t ld_q = 0;
   const int32_t* gather_q = nullptr;
+  // Rows of the gathered operand's tensor (P with gather_p, Q with gather_q; the indices are below
+  // it), as a_rows of varlen-M. Optional: 0 = unknown, and the tuner's overlap check then takes
+  // `rows` rows of it (a gather from fewer rows could make an output just past it look like an
+  // overlap: that call is not measured). The kernels do not read it.
+  int64_t gather_rows = 0;
   bf16* D = nullptr;                  // [E][M][N]
 };
 

@@ -102,6 +102,8 @@ Status check_varlen_k(const VarlenKArgs& a) {
   SMOE_RETURN_IF_ERROR(detail::check_ptr(a.P, fn, "P", 16));
   SMOE_RETURN_IF_ERROR(detail::check_ptr(a.Q, fn, "Q", 16));
   SMOE_RETURN_IF_ERROR(detail::check_ptr(a.D, fn, "D", 16));
+  if (a.gather_rows < 0 || a.gather_rows > kMaxRows)
+    return rule(fn, "gather_rows", a.gather_rows, "must be in [0, 2^31)");
   if (a.gather_p) SMOE_RETURN_IF_ERROR(detail::check_ptr(a.gather_p, fn, "gather_p", 4));
   if (a.gather_q) SMOE_RETURN_IF_ERROR(detail::check_ptr(a.gather_q, fn, "gather_q", 4));
   return Status{};

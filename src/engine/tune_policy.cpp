@@ -100,9 +100,12 @@ bool outputs_overlap_inputs(const VarlenMArgs& a) {
 
 bool outputs_overlap_inputs(const VarlenKArgs& a) {
   const int64_t rows = a.rows;
+  // A gathered operand spans gather_rows rows where the caller gave them, else (unknown) rows.
+  const int64_t known = a.gather_rows > 0 ? a.gather_rows : rows;
+  const int64_t p_rows = a.gather_p ? known : rows, q_rows = a.gather_q ? known : rows;
   return any_overlap({{a.D, bytes_of({a.num_experts, a.M, a.N, kBf16})}},
-                     {{a.P, bytes_of({rows, a.ld_p, kBf16})},
-                      {a.Q, bytes_of({rows, a.ld_q, kBf16})},
+                     {{a.P, bytes_of({p_rows, a.ld_p, kBf16})},
+                      {a.Q, bytes_of({q_rows, a.ld_q, kBf16})},
                       {a.expert_offset, bytes_of({int64_t{a.num_experts} + 1, kI32})},
                       {a.gather_p, bytes_of({rows, kI32})},
                       {a.gather_q, bytes_of({rows, kI32})}});

@@ -87,6 +87,7 @@ Status expert_major_backward(const ExpertMajorBackwardArgs& a, cudaStream_t stre
   dw2.P = a.dout;
   dw2.ld_p = s.d;
   dw2.gather_p = sv.row_of;
+  dw2.gather_rows = s.rows;
   dw2.Q = w.a_prime;
   dw2.ld_q = s.n;
   dw2.D = a.dw2;
@@ -107,6 +108,7 @@ Status expert_major_backward(const ExpertMajorBackwardArgs& a, cudaStream_t stre
     dw1.Q = a.x;
     dw1.ld_q = s.d;
     dw1.gather_q = sv.row_of;
+    dw1.gather_rows = s.rows;
     dw1.D = half == 0 ? a.dw1 : a.dw3;
     SMOE_RETURN_IF_ERROR(engine::varlen_k(dw1, sms, stream));
   }

@@ -136,6 +136,7 @@ Status moe_backward(const MoEBackwardArgs& a, cudaStream_t stream) {
   dw2.P = a.dout;
   dw2.ld_p = s.d;
   dw2.gather_p = sv.gather_idx;
+  dw2.gather_rows = s.T;
   dw2.Q = w.a_prime;
   dw2.ld_q = s.n;
   dw2.D = a.dw2;
@@ -192,6 +193,7 @@ Status moe_backward(const MoEBackwardArgs& a, cudaStream_t stream) {
     dw1.Q = a.x;
     dw1.ld_q = s.d;
     dw1.gather_q = sv.gather_idx;
+    dw1.gather_rows = s.T;
     dw1.D = half == 0 ? a.dw1 : a.dw3;
     SMOE_RETURN_IF_ERROR(engine::varlen_k(dw1, sms, stream));
   }

@@ -159,6 +159,9 @@ TEST(EngineApi, VarlenKRules) {
   k.ld_p = 128;
   k.M = 96;
   expect_rejected(eng::varlen_k(k, 132, nullptr), "M = 96");
+  k.M = 128;
+  k.gather_rows = -1;
+  expect_rejected(eng::varlen_k(k, 132, nullptr), "gather_rows = -1");
 }
 
 TEST(EngineApi, TileHeuristic) {
@@ -517,7 +520,7 @@ TEST(EngineTuneCache, LabelsParseBackToTheirConfigs) {
           EXPECT_TRUE(*back == cfg) << eng::to_string(cfg);
           built += eng::is_built(cfg);
         }
-  EXPECT_EQ(built, 39);  // the instance list (SMOE_ENGINE_SPECS)
+  EXPECT_EQ(built, 41);  // the instance list (SMOE_ENGINE_SPECS)
   EXPECT_FALSE(eng::parse_config("down_store<100>").has_value());
   EXPECT_FALSE(eng::parse_config("up_swiglu_n2<192>").has_value());
   EXPECT_FALSE(eng::parse_config("").has_value());

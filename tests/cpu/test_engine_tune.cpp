@@ -174,8 +174,8 @@ TEST(EngineTune, CandidatesAreTheForcibleInstantiations) {
             (std::vector<std::string>{"up_swiglu_pp64_c2<256>", "up_swiglu<128>", "up_swiglu<256>",
                                       "up_swiglu_pp<128>", "up_swiglu_c2<256>", "up_swiglu_pp_c2<128>"}));
   EXPECT_EQ(labels(eng::candidates_varlen_m(m_call(Kind::da_dswiglu, 4096, 512, 128, rows), dev)),
-            (std::vector<std::string>{"da_dswiglu_pp64_c2<256>", "da_dswiglu<128>", "da_dswiglu_pp<128>",
-                                      "da_dswiglu_pp_c2<128>"}));
+            (std::vector<std::string>{"da_dswiglu_pp64_c2<256>", "da_dswiglu<128>", "da_dswiglu<256>",
+                                      "da_dswiglu_pp<128>", "da_dswiglu_c2<256>", "da_dswiglu_pp_c2<128>"}));
   // n = 192: N = 384 for the up-proj (no 256 tiles, no 64 x 256 pairs), 192 for dA'.
   EXPECT_EQ(labels(eng::candidates_varlen_m(m_call(Kind::up_swiglu, 768, 192, 8, 1000), dev)),
             (std::vector<std::string>{"up_swiglu_pp<128>", "up_swiglu<128>", "up_swiglu_pp_c2<128>"}));
@@ -302,6 +302,20 @@ TEST(EngineTune, OutputsOverlappingInputsAreNotMeasured) {
   EXPECT_FALSE(eng::outputs_overlap_inputs(dw));
   dw.D = reinterpret_cast<smoe::bf16*>(const_cast<smoe::bf16*>(dw.Q));
   EXPECT_TRUE(eng::outputs_overlap_inputs(dw));
+  // A gathered P of fewer rows than the grouped rows: D right after its gather_rows rows is
+  // disjoint; without gather_rows, rows rows are assumed and the same D overlaps (not measured).
+  for (Kind k : {Kind::dw_gather_p, Kind::dw_gather_p_t}) {
+    dw = k_call(k, 1024, 512, 8, rows);
+    const bool on_p = k == Kind::dw_gather_p;
+    const auto* src = on_p ? dw.P : dw.Q;
+    const int64_t ld = on_p ? dw.ld_p : dw.ld_q;
+    dw.D = const_cast<smoe::bf16*>(src) + 300 * ld;  // just past a 300-row source
+    EXPECT_TRUE(eng::outputs_overlap_inputs(dw)) << eng::kind_name(k);
+    dw.gather_rows = 300;
+    EXPECT_FALSE(eng::outputs_overlap_inputs(dw)) << eng::kind_name(k);
+    dw.gather_rows = 301;
+    EXPECT_TRUE(eng::outputs_overlap_inputs(dw)) << eng::kind_name(k);
+  }
 }
 
 // The key of a two-tensor dX~ (B2 set, no halves flag: another kernel path) is not the interleaved one.

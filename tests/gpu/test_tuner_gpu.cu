@@ -151,6 +151,7 @@ TEST(GpuTuner, MeasuresOnceThenTheCacheGivesTheSameBits) {
   k.P = P.get();
   k.ld_p = M;
   k.gather_p = d_gather.get();
+  k.gather_rows = T;  // P holds T rows: without it an output placed just past P would look overlapping
   k.Q = Q.get();
   k.ld_q = NK;
   k.D = DW.get();
