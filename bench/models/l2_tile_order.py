@@ -29,6 +29,7 @@ Calibrate with --case dA-1.4B --orders default against ncu's dram__bytes_read.su
 """
 
 import argparse
+import itertools
 import collections
 import random
 
@@ -93,13 +94,19 @@ def tiles(rows, n_tiles, order, BM=128):
         raise SystemExit(f"unknown order {order}")
 
 
-def simulate(case, order, l2_bytes, stream, seed=0, BM=128, sms=132, BK=64, tile_keys=False, drift=0):
+def simulate(case, order, l2_bytes, stream, seed=0, BM=128, sms=132, BK=64, tile_keys=False, drift=0, partitions=1,
+             peer_fill=False):
     """Reads by kind ({'x', 'w', 'stream'}: bytes) and the compulsory bytes. Tiles run in waves of
     `sms` (the persistent grid), a wave's tiles in step through the reduction: K-slice k of every
     tile of the wave (A rows, B columns) before slice k + 1, then the wave's epilogue streams.
     drift > 0: the wave's tiles are not in step: tile i starts o_i K-slices late (o_i uniform in
     [0, drift], seeded), so at step s it loads slice s - o_i; siblings that share an M-tile's rows or
-    an N-tile's weights then touch them apart in time, as CTAs whose epilogues or waits differ do."""
+    an N-tile's weights then touch them apart in time, as CTAs whose epilogues or waits differ do.
+    partitions > 1: L2 as that many LRUs of l2_bytes / partitions, each serving the CTAs of its share
+    of the SMs (CTA -> partition drawn at random, seeded, balanced); a line one partition misses is read
+    from DRAM even when another holds it (the hypothesis that the H100's two L2 halves each fetch the
+    lines their SMs read; not a documented fact); peer_fill: from another partition that holds it
+    (no DRAM read), the copy still taking room in both."""
     c = CASES[case] if isinstance(case, str) else case
     rng = random.Random(seed)
     rows = route(c["T"], c["E"], c["K"], rng)
@@ -110,23 +117,26 @@ def simulate(case, order, l2_bytes, stream, seed=0, BM=128, sms=132, BK=64, tile
     # Gathered rows keyed per token (a token's K experts share them) where K > 1; per tile otherwise
     # (and always for a contiguous A: the grouped rows are distinct).
     per_token = gathered and c["K"] > 1 and not tile_keys
-    lru = collections.OrderedDict()
-    held = 0
+    lrus = [collections.OrderedDict() for _ in range(partitions)]
+    held = [0] * partitions
+    cap = l2_bytes / partitions
+    part_of = [i % partitions for i in range(sms)]
+    random.Random(seed + 2).shuffle(part_of)
     reads = {"x": 0, "w": 0, "stream": 0}
     uniq = [0]
 
-    def touch(key, size, kind):
-        nonlocal held
+    def touch(key, size, kind, part=0):
+        lru = lrus[part]
         if key in lru:
             lru.move_to_end(key)
             return
-        if kind:
+        if kind and not (peer_fill and any(key in other for other in lrus)):
             reads[kind] += size
         lru[key] = size
-        held += size
-        while held > l2_bytes:
+        held[part] += size
+        while held[part] > cap:
             _, s = lru.popitem(last=False)
-            held -= s
+            held[part] -= s
 
     order_list = list(tiles(rows, n_tiles, order, BM))
     lag_rng = random.Random(seed + 1)
@@ -134,24 +144,25 @@ def simulate(case, order, l2_bytes, stream, seed=0, BM=128, sms=132, BK=64, tile
         wave = [(e, u, nt, rows[e][u * BM:(u + 1) * BM]) for e, u, nt in order_list[w0:w0 + sms]]
         lags = [lag_rng.randint(0, drift) if drift > 0 else 0 for _ in wave]
         for step in range(k_slices + max(lags)):
-            for (e, u, nt, toks), lag in zip(wave, lags):
+            for i, ((e, u, nt, toks), lag) in enumerate(zip(wave, lags)):
                 k = step - lag
                 if not 0 <= k < k_slices:
                     continue
                 bk = min(BK, d - k * BK)  # the last slice may be narrower
+                part = part_of[i]
                 if per_token:
                     for t in toks:
-                        touch(("x", t, k), 2 * bk, "x")
+                        touch(("x", t, k), 2 * bk, "x", part)
                 else:
-                    touch(("x", e, u, k), 2 * bk * len(toks), "x")
-                touch(("w", e, nt, k), 2 * bk * BN, "w")
-        for e, u, nt, toks in wave:
+                    touch(("x", e, u, k), 2 * bk * len(toks), "x", part)
+                touch(("w", e, nt, k), 2 * bk * BN, "w", part)
+        for i, (e, u, nt, toks) in enumerate(wave):
             if c["stream_read"]:
                 reads["stream"] += len(toks) * BN * c["stream_read"]
             per_row = BN * (c["stream_read"] + c["stream_write"])
             if stream and per_row:
                 uniq[0] += 1
-                touch(("s", uniq[0]), len(toks) * per_row, None)
+                touch(("s", uniq[0]), len(toks) * per_row, None, part_of[i])
     R = sum(len(r) for r in rows)
     compulsory = (c["T"] if gathered else R) * 2 * d + c["E"] * n_tiles * BN * d * 2 + R * BN * n_tiles * c["stream_read"]
     return reads, compulsory
@@ -170,6 +181,10 @@ def main():
     p.add_argument("--sms", type=int, default=132, help="CTAs of the persistent grid (one wave)")
     p.add_argument("--drift", default="0",
                    help="comma list: each tile of a wave starts up to this many K-slices late (0: in step)")
+    p.add_argument("--partitions", default="1",
+                   help="comma list: L2 as this many independent LRUs, CTAs spread over them (see simulate)")
+    p.add_argument("--peer-fill", action="store_true",
+                   help="with --partitions: a line another partition holds costs no DRAM read")
     p.add_argument("--tile-keys", action="store_true",
                    help="gathered rows keyed per tile, not per token (fast; ignores reuse across experts)")
     a = p.parse_args()
@@ -177,14 +192,15 @@ def main():
         p.error("give --case or --shape")
     case = a.case or make_case(a.shape, a.gemm, a.bn)
     name = a.case or f"{a.gemm} {a.shape} BN{a.bn}"
-    print(f"| case | order | drift | L2 MB | streams in L2 | source rows MB | weights MB | streamed reads MB | total reads MB | compulsory MB |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print(f"| case | order | drift | L2 MB | partitions | streams in L2 | source rows MB | weights MB | streamed reads MB | total reads MB | compulsory MB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for order in a.orders.split(","):
-        for drift in (int(v) for v in a.drift.split(",")):
+        for drift, parts in itertools.product((int(v) for v in a.drift.split(",")),
+                                              [int(v) for v in a.partitions.split(",")]):
             reads, comp = simulate(case, order, a.l2_mb * 1e6, a.stream, a.seed, sms=a.sms, tile_keys=a.tile_keys,
-                                   drift=drift)
+                                   drift=drift, partitions=parts, peer_fill=a.peer_fill)
             tot = sum(reads.values())
-            print(f"| {name} | {order} | {drift} | {a.l2_mb:g} | {a.stream} | {reads['x'] / 1e6:.0f} | "
+            print(f"| {name} | {order} | {drift} | {a.l2_mb:g} | {parts} | {a.stream} | {reads['x'] / 1e6:.0f} | "
                   f"{reads['w'] / 1e6:.0f} | {reads['stream'] / 1e6:.0f} | {tot / 1e6:.0f} | {comp / 1e6:.0f} |")
 
 

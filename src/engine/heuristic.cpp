@@ -161,11 +161,7 @@ std::optional<EngineConfig> choose_varlen_m(const VarlenMArgs& a, const DeviceFa
     const bool wide = store && (forced ? forced == 192 : lean ? pad192 * 8 < a.N : pad192 * 8 <= a.N);
     bn = wide ? 192 : 128;
   } else if (a.epilogue == Epilogue::kDSwiGLU) {
-    // 64 x 128 per warpgroup by default. Cooperative 128 x 256 (64 x 256 per warpgroup, the
-    // registers of the 64 x 256 ping-pong) only when forced (a tuner candidate): it reads a third
-    // fewer operand bytes per FLOP than ping-pong 128 x 128 but leaves the tensor cores idle during
-    // its epilogue.
-    bn = forced == 256 && a.N % 256 == 0 ? 256 : 128;
+    bn = 128;  // 64 x 128 per warpgroup keeps its epilogue inside the register budget
   } else {
     const bool wide = a.N % 256 == 0 && (forced ? forced == 256 : wide_tiles_fill(tiles256, dev));
     bn = wide ? 256 : 128;

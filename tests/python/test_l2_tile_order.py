@@ -73,3 +73,19 @@ def test_drift_spreads_a_waves_reuse_over_time(monkeypatch):
     drifted, _ = m.simulate("tiny", "default", 2e6, 1, sms=32, drift=16)
     assert sum(step.values()) >= comp
     assert sum(drifted.values()) > sum(step.values())
+
+
+def test_partitions_fetch_per_half_unless_peers_fill(monkeypatch):
+    monkeypatch.setitem(m.CASES, "tiny", dict(T=2048, d=1024, E=16, K=4, N=512, BN=128, stream_read=0, stream_write=3))
+    one, comp = m.simulate("tiny", "default", 1e12, 1, sms=32)
+    assert m.simulate("tiny", "default", 1e12, 1, sms=32, partitions=1) == (one, comp)
+    # Room for everything: with peers filling, each byte is read once; without, a line read by both
+    # halves' CTAs is read once per half (more than once, at most twice).
+    peer, _ = m.simulate("tiny", "default", 1e12, 1, sms=32, partitions=2, peer_fill=True)
+    own, _ = m.simulate("tiny", "default", 1e12, 1, sms=32, partitions=2)
+    assert sum(peer.values()) == comp
+    assert comp < sum(own.values()) <= 2 * comp
+    # A small L2: halves hold half each, so peers filling still reads at least the one-LRU bytes.
+    small, _ = m.simulate("tiny", "default", 2e6, 1, sms=32)
+    small_peer, _ = m.simulate("tiny", "default", 2e6, 1, sms=32, partitions=2, peer_fill=True)
+    assert sum(small_peer.values()) >= sum(small.values())
