@@ -6,6 +6,9 @@ model of L2 fed the tiles' operand accesses in the order the persistent schedule
   python3 bench/models/l2_tile_order.py --case up-E16K1 --orders default,band4,band8,band16
   python3 bench/models/l2_tile_order.py --shape 16384,2880,2880,128,4 --gemm down --orders default,band8 --tile-keys
   python3 bench/models/l2_tile_order.py --shape 32768,4096,1024,128,8 --gemm dA --tile-keys --drift 0,8,32
+  python3 bench/models/l2_tile_order.py --shape 32768,4096,1024,128,8 --gemm dX --bn 192 --tile-keys --jitter 0,0.1,0.15
+  python3 bench/models/l2_tile_order.py --shape 32768,4096,512,128,8 --gemm down --bn 192 --tile-keys --partitions 1,2 --peer-fill
+(bench/results/h100/gemm_dram_bytes.md sets these variants against ncu's bytes: none fits every GEMM.)
 
 What it models (tile_scheduler.cuh, tile_order.h): experts' rows in ascending token order (routing's
 stable sort), tiles of BM = 128 rows x BN columns, run in waves of --sms tiles (the persistent grid:
@@ -31,6 +34,7 @@ Calibrate with --case dA-1.4B --orders default against ncu's dram__bytes_read.su
 import argparse
 import itertools
 import collections
+import heapq
 import random
 
 CASES = {
@@ -95,7 +99,7 @@ def tiles(rows, n_tiles, order, BM=128):
 
 
 def simulate(case, order, l2_bytes, stream, seed=0, BM=128, sms=132, BK=64, tile_keys=False, drift=0, partitions=1,
-             peer_fill=False):
+             peer_fill=False, jitter=0.0):
     """Reads by kind ({'x', 'w', 'stream'}: bytes) and the compulsory bytes. Tiles run in waves of
     `sms` (the persistent grid), a wave's tiles in step through the reduction: K-slice k of every
     tile of the wave (A rows, B columns) before slice k + 1, then the wave's epilogue streams.
@@ -106,7 +110,11 @@ def simulate(case, order, l2_bytes, stream, seed=0, BM=128, sms=132, BK=64, tile
     of the SMs (CTA -> partition drawn at random, seeded, balanced); a line one partition misses is read
     from DRAM even when another holds it (the hypothesis that the H100's two L2 halves each fetch the
     lines their SMs read; not a documented fact); peer_fill: from another partition that holds it
-    (no DRAM read), the copy still taking room in both."""
+    (no DRAM read), the copy still taking room in both.
+    jitter > 0: no waves. Each CTA runs its own tiles (t = cta + i * sms) back to back, a tile's
+    K-slices at a pace drawn per tile uniform in [1 - jitter, 1 + jitter] (seeded), and the loads of all
+    CTAs interleave by time: CTAs drift apart as a persistent grid does, so the tiles in flight spread
+    over more of the order than one wave (drift accumulates over a CTA's tiles)."""
     c = CASES[case] if isinstance(case, str) else case
     rng = random.Random(seed)
     rows = route(c["T"], c["E"], c["K"], rng)
@@ -138,7 +146,43 @@ def simulate(case, order, l2_bytes, stream, seed=0, BM=128, sms=132, BK=64, tile
             _, s = lru.popitem(last=False)
             held[part] -= s
 
+    def load(i, e, u, nt, toks, k):
+        bk = min(BK, d - k * BK)  # the last slice may be narrower
+        part = part_of[i]
+        if per_token:
+            for t in toks:
+                touch(("x", t, k), 2 * bk, "x", part)
+        else:
+            touch(("x", e, u, k), 2 * bk * len(toks), "x", part)
+        touch(("w", e, nt, k), 2 * bk * BN, "w", part)
+
+    def finish(i, toks):
+        if c["stream_read"]:
+            reads["stream"] += len(toks) * BN * c["stream_read"]
+        per_row = BN * (c["stream_read"] + c["stream_write"])
+        if stream and per_row:
+            uniq[0] += 1
+            touch(("s", uniq[0]), len(toks) * per_row, None, part_of[i])
+
     order_list = list(tiles(rows, n_tiles, order, BM))
+    if jitter > 0:
+        pace_rng = random.Random(seed + 3)
+        own = [order_list[i::sms] for i in range(sms)]
+        heap = []  # (time, CTA, its tile index, K-slice, pace)
+        for i in range(min(sms, len(order_list))):
+            heapq.heappush(heap, (0.0, i, 0, 0, pace_rng.uniform(1 - jitter, 1 + jitter)))
+        while heap:
+            t, i, j, k, pace = heapq.heappop(heap)
+            e, u, nt = own[i][j]
+            toks = rows[e][u * BM:(u + 1) * BM]
+            load(i, e, u, nt, toks, k)
+            if k + 1 < k_slices:
+                heapq.heappush(heap, (t + pace, i, j, k + 1, pace))
+                continue
+            finish(i, toks)
+            if j + 1 < len(own[i]):
+                heapq.heappush(heap, (t + pace, i, j + 1, 0, pace_rng.uniform(1 - jitter, 1 + jitter)))
+        order_list = []  # done: skip the waves below
     lag_rng = random.Random(seed + 1)
     for w0 in range(0, len(order_list), sms):
         wave = [(e, u, nt, rows[e][u * BM:(u + 1) * BM]) for e, u, nt in order_list[w0:w0 + sms]]
@@ -146,23 +190,10 @@ def simulate(case, order, l2_bytes, stream, seed=0, BM=128, sms=132, BK=64, tile
         for step in range(k_slices + max(lags)):
             for i, ((e, u, nt, toks), lag) in enumerate(zip(wave, lags)):
                 k = step - lag
-                if not 0 <= k < k_slices:
-                    continue
-                bk = min(BK, d - k * BK)  # the last slice may be narrower
-                part = part_of[i]
-                if per_token:
-                    for t in toks:
-                        touch(("x", t, k), 2 * bk, "x", part)
-                else:
-                    touch(("x", e, u, k), 2 * bk * len(toks), "x", part)
-                touch(("w", e, nt, k), 2 * bk * BN, "w", part)
+                if 0 <= k < k_slices:
+                    load(i, e, u, nt, toks, k)
         for i, (e, u, nt, toks) in enumerate(wave):
-            if c["stream_read"]:
-                reads["stream"] += len(toks) * BN * c["stream_read"]
-            per_row = BN * (c["stream_read"] + c["stream_write"])
-            if stream and per_row:
-                uniq[0] += 1
-                touch(("s", uniq[0]), len(toks) * per_row, None, part_of[i])
+            finish(i, toks)
     R = sum(len(r) for r in rows)
     compulsory = (c["T"] if gathered else R) * 2 * d + c["E"] * n_tiles * BN * d * 2 + R * BN * n_tiles * c["stream_read"]
     return reads, compulsory
@@ -183,6 +214,8 @@ def main():
                    help="comma list: each tile of a wave starts up to this many K-slices late (0: in step)")
     p.add_argument("--partitions", default="1",
                    help="comma list: L2 as this many independent LRUs, CTAs spread over them (see simulate)")
+    p.add_argument("--jitter", default="0",
+                   help="comma list: no waves, CTAs drift (each tile's pace uniform in [1-j, 1+j]; see simulate)")
     p.add_argument("--peer-fill", action="store_true",
                    help="with --partitions: a line another partition holds costs no DRAM read")
     p.add_argument("--tile-keys", action="store_true",
@@ -192,15 +225,16 @@ def main():
         p.error("give --case or --shape")
     case = a.case or make_case(a.shape, a.gemm, a.bn)
     name = a.case or f"{a.gemm} {a.shape} BN{a.bn}"
-    print(f"| case | order | drift | L2 MB | partitions | streams in L2 | source rows MB | weights MB | streamed reads MB | total reads MB | compulsory MB |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print(f"| case | order | drift | jitter | L2 MB | partitions | streams in L2 | source rows MB | weights MB | streamed reads MB | total reads MB | compulsory MB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for order in a.orders.split(","):
-        for drift, parts in itertools.product((int(v) for v in a.drift.split(",")),
-                                              [int(v) for v in a.partitions.split(",")]):
+        for drift, parts, jit in itertools.product([int(v) for v in a.drift.split(",")],
+                                                   [int(v) for v in a.partitions.split(",")],
+                                                   [float(v) for v in a.jitter.split(",")]):
             reads, comp = simulate(case, order, a.l2_mb * 1e6, a.stream, a.seed, sms=a.sms, tile_keys=a.tile_keys,
-                                   drift=drift, partitions=parts, peer_fill=a.peer_fill)
+                                   drift=drift, partitions=parts, peer_fill=a.peer_fill, jitter=jit)
             tot = sum(reads.values())
-            print(f"| {name} | {order} | {drift} | {a.l2_mb:g} | {parts} | {a.stream} | {reads['x'] / 1e6:.0f} | "
+            print(f"| {name} | {order} | {drift} | {jit:g} | {a.l2_mb:g} | {parts} | {a.stream} | {reads['x'] / 1e6:.0f} | "
                   f"{reads['w'] / 1e6:.0f} | {reads['stream'] / 1e6:.0f} | {tot / 1e6:.0f} | {comp / 1e6:.0f} |")
 
 

@@ -89,3 +89,16 @@ def test_partitions_fetch_per_half_unless_peers_fill(monkeypatch):
     small, _ = m.simulate("tiny", "default", 2e6, 1, sms=32)
     small_peer, _ = m.simulate("tiny", "default", 2e6, 1, sms=32, partitions=2, peer_fill=True)
     assert sum(small_peer.values()) >= sum(small.values())
+
+
+def test_jitter_lets_ctas_drift_apart(monkeypatch):
+    monkeypatch.setitem(m.CASES, "tiny", dict(T=4096, d=1024, E=8, K=2, N=1024, BN=128, stream_read=0, stream_write=2))
+    # Room for everything: drifting CTAs still read each byte once.
+    one, comp = m.simulate("tiny", "default", 1e12, 1, sms=16)
+    drift, _ = m.simulate("tiny", "default", 1e12, 1, sms=16, jitter=0.3)
+    assert sum(drift.values()) == sum(one.values()) == comp
+    # An L2 that holds about a wave's working set: in step the wave's siblings share every slice;
+    # CTAs that drift apart by tiles touch more of the order at once and read more.
+    step, _ = m.simulate("tiny", "default", 3e6, 1, sms=16)
+    drift, _ = m.simulate("tiny", "default", 3e6, 1, sms=16, jitter=0.3)
+    assert sum(drift.values()) > sum(step.values())
