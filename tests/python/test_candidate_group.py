@@ -1,5 +1,4 @@
 """bench/reports/candidate_group.py: per key, the group's fastest against the rest's fastest."""
-import importlib.util
 import pathlib
 import subprocess
 import sys
