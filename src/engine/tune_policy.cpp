@@ -88,7 +88,9 @@ bool outputs_overlap_inputs(const VarlenMArgs& a) {
        {a.epilogue == Epilogue::kStore ? nullptr : a.D2, bytes_of({rows, d2_cols, kBf16})},
        {dsw ? a.dH : nullptr, bytes_of({rows, 2 * int64_t{a.N}, kBf16})},
        {dsw ? a.ds_partial : nullptr, bytes_of({rows, ds_partial_tiles(a.N), kF32})}},
-      {{a.A, bytes_of({std::max(a.a_rows, rows), a.K, kBf16})},
+      // A holds a_rows rows (the rules: >= rows when A is the grouped rows; gathered, its indices are
+      // below a_rows), e.g. the T tokens of x for the up-projection's T*K grouped rows.
+      {{a.A, bytes_of({a.a_rows, a.K, kBf16})},
        {a.B, b_bytes},
        {a.B2, b_bytes},
        {a.expert_offset, bytes_of({int64_t{a.num_experts} + 1, kI32})},

@@ -298,6 +298,17 @@ TEST(EngineTune, OutputsOverlappingInputsAreNotMeasured) {
   EXPECT_FALSE(eng::outputs_overlap_inputs(up));
   up.D = reinterpret_cast<smoe::bf16*>(0x100000000 + 8ull * 1024 * 1024 * 2 - 16);
   EXPECT_TRUE(eng::outputs_overlap_inputs(up));
+  // A gathered A of a_rows rows (x: T tokens for T*K grouped rows): an output right after them is
+  // disjoint, one inside them is not.
+  for (Kind k : {Kind::up_swiglu, Kind::da_dswiglu}) {
+    auto g = m_call(k, 1024, 512, 8, rows);
+    g.a_rows = rows / 8;
+    smoe::bf16*& out = k == Kind::up_swiglu ? g.D : g.dH;
+    out = const_cast<smoe::bf16*>(g.A) + g.a_rows * g.K;
+    EXPECT_FALSE(eng::outputs_overlap_inputs(g)) << eng::kind_name(k);
+    out -= 8;
+    EXPECT_TRUE(eng::outputs_overlap_inputs(g)) << eng::kind_name(k);
+  }
   auto dw = k_call(Kind::dw_gather_p, 1024, 512, 8, rows);
   EXPECT_FALSE(eng::outputs_overlap_inputs(dw));
   dw.D = reinterpret_cast<smoe::bf16*>(const_cast<smoe::bf16*>(dw.Q));
