@@ -32,9 +32,9 @@ Calibrate with --case dA-1.4B --orders default against ncu's dram__bytes_read.su
 """
 
 import argparse
-import itertools
 import collections
 import heapq
+import itertools
 import random
 
 CASES = {
