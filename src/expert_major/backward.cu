@@ -51,84 +51,28 @@ Status expert_major_backward(const ExpertMajorBackwardArgs& a, cudaStream_t stre
     SMOE_CUDA_RETURN(cudaMemsetAsync(a.dw2, 0, w2_bytes, stream));
     return nan_if_invalid();
   }
-  const expert_major::GateUp gu = expert_major::gate_up(s, a.weights);
+  const layer::GateUp gu = expert_major::gate_up(s, a.weights);
 
-  engine::VarlenMArgs da;
-  da.num_experts = s.E;
-  da.N = s.n;
-  da.K = s.d;
-  da.rows = s.rows;
-  da.expert_offset = expert_offset;
-  da.A = a.dout;
-  da.a_rows = s.rows;
-  da.gather_idx = sv.row_of;
-  da.B = a.weights.w2;  // [E][d][n] = [E][K][N]
-  da.b_major = engine::WeightMajor::kKN;
-  da.epilogue = engine::Epilogue::kDSwiGLU;
-  da.D2 = w.a_prime;
-  da.H = sv.h;
-  da.dH = w.dH;
-  da.scores = sv.scores;   // by entry = row
-  da.scatter = sv.row_of;  // grouped row -> entry = row
-  da.ds_partial = w.ds_partial;
-  da.halves = gu.halves;
-  SMOE_RETURN_IF_ERROR(engine::varlen_m(da, sms, stream));
+  const layer::ExpertRows er{s.E, s.d, s.n, s.rows, expert_offset, sv.row_of, s.rows};
+  // Scores by entry = row; scatter: grouped row -> entry = row.
+  const layer::DSwiGLUIo io{sv.h, sv.scores, sv.row_of, w.dH, w.a_prime, w.ds_partial};
+  SMOE_RETURN_IF_ERROR(engine::varlen_m(layer::da_proj_args(er, a.dout, a.weights.w2, gu.halves, io), sms, stream));
   // Grouped rows past nnz are the padding rows (row_of): their dprobs entry gets 0.
   SMOE_RETURN_IF_ERROR(kernels::ds_rowsum(w.ds_partial, engine::ds_partial_tiles(s.n), sv.row_of, s.rows,
                                           expert_offset + s.E, dS, stream, w.valid));
   profile::mark("dA_proj", stream);
 
-  engine::VarlenKArgs dw2;
-  dw2.num_experts = s.E;
-  dw2.M = s.d;
-  dw2.N = s.n;
-  dw2.rows = s.rows;
-  dw2.expert_offset = expert_offset;
-  dw2.P = a.dout;
-  dw2.ld_p = s.d;
-  dw2.gather_p = sv.row_of;
-  dw2.gather_rows = s.rows;
-  dw2.Q = w.a_prime;
-  dw2.ld_q = s.n;
-  dw2.D = a.dw2;
-  SMOE_RETURN_IF_ERROR(engine::varlen_k(dw2, sms, stream));
+  SMOE_RETURN_IF_ERROR(engine::varlen_k(layer::dw2_args(er, a.dout, w.a_prime, a.dw2), sms, stream));
   profile::mark("dW2", stream);
 
   // dW1 [E][2n][d] = dH^T x: interleaved dH gives interleaved dW1, and dH in halves gives gate rows
   // then up rows, which is the concatenated layout itself; two tensors take one call per half.
-  for (int half = 0; half < (separate ? 2 : 1); ++half) {
-    engine::VarlenKArgs dw1;
-    dw1.num_experts = s.E;
-    dw1.M = separate ? s.n : 2 * s.n;
-    dw1.N = s.d;
-    dw1.rows = s.rows;
-    dw1.expert_offset = expert_offset;
-    dw1.P = w.dH + static_cast<int64_t>(half) * s.n;
-    dw1.ld_p = 2 * s.n;
-    dw1.Q = a.x;
-    dw1.ld_q = s.d;
-    dw1.gather_q = sv.row_of;
-    dw1.gather_rows = s.rows;
-    dw1.D = half == 0 ? a.dw1 : a.dw3;
-    SMOE_RETURN_IF_ERROR(engine::varlen_k(dw1, sms, stream));
-  }
+  for (int half = 0; half < (separate ? 2 : 1); ++half)
+    SMOE_RETURN_IF_ERROR(engine::varlen_k(
+        layer::dw1_args(er, w.dH, a.x, separate, half, half == 0 ? a.dw1 : a.dw3), sms, stream));
   profile::mark("dW1", stream);
 
-  engine::VarlenMArgs dxt;
-  dxt.num_experts = s.E;
-  dxt.N = s.d;
-  dxt.K = 2 * s.n;
-  dxt.rows = s.rows;
-  dxt.expert_offset = expert_offset;
-  dxt.A = w.dH;
-  dxt.a_rows = s.rows;
-  dxt.B = gu.b;  // [E][2n][d] = [E][K][N]; halves: K-tiles [0, n) gate rows, [n, 2n) up rows
-  dxt.B2 = gu.b2;
-  dxt.b_expert_stride = gu.stride;
-  dxt.b_major = engine::WeightMajor::kKN;
-  dxt.epilogue = engine::Epilogue::kStore;
-  dxt.D = w.dXt;
-  SMOE_RETURN_IF_ERROR(engine::varlen_m(dxt, sms, stream));
+  SMOE_RETURN_IF_ERROR(engine::varlen_m(layer::dx_tilde_args(er, w.dH, gu, w.dXt), sms, stream));
   profile::mark("dX_proj", stream);
 
   SMOE_RETURN_IF_ERROR(kernels::dx_sum(w.dXt, sv.slot_of, sv.row_offset, nullptr, nullptr, nullptr, nullptr, s.d,

@@ -28,41 +28,12 @@ Status expert_major_forward(const ExpertMajorForwardArgs& a, cudaStream_t stream
                                                 w.row_begin, w.valid, a.status, stream));
   profile::mark("row_ranges", stream);
   if (s.rows > 0) {
-    const expert_major::GateUp gu = expert_major::gate_up(s, a.weights);
+    const layer::GateUp gu = expert_major::gate_up(s, a.weights);
     // Sized for R rows; the scheduler reads the valid rows per expert from expert_offset.
-    engine::VarlenMArgs up;
-    up.num_experts = s.E;
-    up.N = 2 * s.n;
-    up.K = s.d;
-    up.rows = s.rows;
-    up.expert_offset = sv.expert_offset;
-    up.A = a.x;
-    up.a_rows = s.rows;
-    up.gather_idx = sv.row_of;
-    up.B = gu.b;
-    up.B2 = gu.b2;
-    up.b_expert_stride = gu.stride;
-    up.halves = gu.halves;
-    up.b_major = engine::WeightMajor::kNK;
-    up.epilogue = engine::Epilogue::kSwiGLU;
-    up.D = sv.h;
-    up.D2 = w.act;
-    SMOE_RETURN_IF_ERROR(engine::varlen_m(up, sms, stream));
+    const layer::ExpertRows er{s.E, s.d, s.n, s.rows, sv.expert_offset, sv.row_of, s.rows};
+    SMOE_RETURN_IF_ERROR(engine::varlen_m(layer::up_proj_args(er, a.x, gu, sv.h, w.act), sms, stream));
     profile::mark("up_proj", stream);
-
-    engine::VarlenMArgs down;
-    down.num_experts = s.E;
-    down.N = s.d;
-    down.K = s.n;
-    down.rows = s.rows;
-    down.expert_offset = sv.expert_offset;
-    down.A = w.act;
-    down.a_rows = s.rows;
-    down.B = a.weights.w2;
-    down.b_major = engine::WeightMajor::kNK;
-    down.epilogue = engine::Epilogue::kStore;
-    down.D = w.y;
-    SMOE_RETURN_IF_ERROR(engine::varlen_m(down, sms, stream));
+    SMOE_RETURN_IF_ERROR(engine::varlen_m(layer::down_proj_args(er, w.act, a.weights.w2, w.y), sms, stream));
     profile::mark("down_proj", stream);
 
     SMOE_RETURN_IF_ERROR(kernels::aggregate(w.y, sv.scores, sv.slot_of, sv.row_offset, s.d, s.rows, 1, sms, a.out, stream));

@@ -6,19 +6,13 @@
 
 #include <cstdint>
 
+#include "moe/expert_gemms.h"
 #include "smoe/expert_major.h"
 
 namespace smoe {
 namespace expert_major {
 
-struct GateUp {
-  const bf16* b;          // gate rows (or interleaved gate/up)
-  const bf16* b2;         // up rows, or null (interleaved)
-  int64_t stride;         // engine b_expert_stride: 0 packed, 2n concatenated
-  bool halves;            // H / dH in halves: columns [0, n) gate, [n, 2n) up
-};
-
-inline GateUp gate_up(const ExpertMajorShape& s, const ExpertMajorWeights& w) {
+inline layer::GateUp gate_up(const ExpertMajorShape& s, const ExpertMajorWeights& w) {
   switch (s.gate_up) {
     case GateUpLayout::kSeparate: return {w.w1, w.w3, 0, true};
     case GateUpLayout::kConcatenated:

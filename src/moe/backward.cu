@@ -13,6 +13,7 @@
 //   dx[t] = sum over t's entries of dX~[row] (+ dl W_r[e] for top-K, + dlogits W_r for rounding)
 #include "engine/engine.h"
 #include "moe/cublas_handles.h"
+#include "moe/expert_gemms.h"
 #include "moe/layer_common.h"
 #include "moe/layer_kernels.h"
 #include "moe/memory_plan.h"
@@ -102,45 +103,16 @@ Status moe_backward(const MoEBackwardArgs& a, cudaStream_t stream) {
     return nan_if_invalid();
   }
 
-  engine::VarlenMArgs da;
-  da.num_experts = s.E;
-  da.N = s.n;
-  da.K = s.d;
-  da.rows = rows;
-  da.expert_offset = expert_offset;
-  da.A = a.dout;
-  da.a_rows = s.T;
-  da.gather_idx = sv.gather_idx;
-  da.B = a.weights.w2;  // [E][d][n] = [E][K][N]
-  da.b_major = engine::WeightMajor::kKN;
-  da.epilogue = engine::Epilogue::kDSwiGLU;
-  da.D2 = w.a_prime;
-  da.H = sv.h;
-  da.dH = w.dH;
-  da.scores = sv.scores;
-  da.scatter = sv.scatter_idx;
-  da.ds_partial = w.ds_partial;
-  da.halves = two;  // H (saved) and dH in halves: gate columns [0, n), up [n, 2n)
-  SMOE_RETURN_IF_ERROR(engine::varlen_m(da, sms, stream));
+  const layer::ExpertRows er{s.E, s.d, s.n, rows, expert_offset, sv.gather_idx, s.T};
+  // H (saved) and dH in halves with two tensors: gate columns [0, n), up [n, 2n).
+  const layer::DSwiGLUIo io{sv.h, sv.scores, sv.scatter_idx, w.dH, w.a_prime, w.ds_partial};
+  SMOE_RETURN_IF_ERROR(engine::varlen_m(layer::da_proj_args(er, a.dout, a.weights.w2, two, io), sms, stream));
   SMOE_RETURN_IF_ERROR(kernels::ds_rowsum(w.ds_partial, engine::ds_partial_tiles(s.n), sv.scatter_idx, rows,
                                           nnz, dS, stream, valid));
   profile::mark("dA_proj", stream);
 
   // dW2: the engine reads dO gathered in its loads.
-  engine::VarlenKArgs dw2;
-  dw2.num_experts = s.E;
-  dw2.M = s.d;
-  dw2.N = s.n;
-  dw2.rows = rows;
-  dw2.expert_offset = expert_offset;
-  dw2.P = a.dout;
-  dw2.ld_p = s.d;
-  dw2.gather_p = sv.gather_idx;
-  dw2.gather_rows = s.T;
-  dw2.Q = w.a_prime;
-  dw2.ld_q = s.n;
-  dw2.D = a.dw2;
-  SMOE_RETURN_IF_ERROR(engine::varlen_k(dw2, sms, stream));
+  SMOE_RETURN_IF_ERROR(engine::varlen_k(layer::dw2_args(er, a.dout, w.a_prime, a.dw2), sms, stream));
   profile::mark("dW2", stream);
 
   // x may still be arriving (MoEBackwardArgs::x_ready, expert parallelism): nothing above reads it.
@@ -178,41 +150,16 @@ Status moe_backward(const MoEBackwardArgs& a, cudaStream_t stream) {
   }
   profile::mark("router_bwd", stream);
 
-  // dW1 = dH^T x[gather] over [E][2n][d], x gathered in the engine's loads. With two tensors dH is
-  // in halves, so its columns [0, n) give dw1 (gate) and [n, 2n) dw3 (up): one call per half,
-  // P = dH + half * n, ld_p = 2n.
-  for (int half = 0; half < (two ? 2 : 1); ++half) {
-    engine::VarlenKArgs dw1;
-    dw1.num_experts = s.E;
-    dw1.M = two ? s.n : 2 * s.n;
-    dw1.N = s.d;
-    dw1.rows = rows;
-    dw1.expert_offset = expert_offset;
-    dw1.P = w.dH + static_cast<int64_t>(half) * s.n;
-    dw1.ld_p = 2 * s.n;
-    dw1.Q = a.x;
-    dw1.ld_q = s.d;
-    dw1.gather_q = sv.gather_idx;
-    dw1.gather_rows = s.T;
-    dw1.D = half == 0 ? a.dw1 : a.dw3;
-    SMOE_RETURN_IF_ERROR(engine::varlen_k(dw1, sms, stream));
-  }
+  // dW1 = dH^T x[gather] over [E][2n][d], x gathered in the engine's loads; with two tensors one
+  // call per half (dw1 gate, dw3 up).
+  for (int half = 0; half < (two ? 2 : 1); ++half)
+    SMOE_RETURN_IF_ERROR(
+        engine::varlen_k(layer::dw1_args(er, w.dH, a.x, two, half, half == 0 ? a.dw1 : a.dw3), sms, stream));
   profile::mark("dW1", stream);
 
-  engine::VarlenMArgs dxt;
-  dxt.num_experts = s.E;
-  dxt.N = s.d;
-  dxt.K = 2 * s.n;
-  dxt.rows = rows;
-  dxt.expert_offset = expert_offset;
-  dxt.A = w.dH;
-  dxt.a_rows = rows;
-  dxt.B = a.weights.w1;  // [E][2n][d] = [E][K][N]; two tensors: K-tiles [0, n) of w1, [n, 2n) of w3
-  dxt.B2 = a.weights.w3;
-  dxt.b_major = engine::WeightMajor::kKN;
-  dxt.epilogue = engine::Epilogue::kStore;
-  dxt.D = w.dXt;
-  SMOE_RETURN_IF_ERROR(engine::varlen_m(dxt, sms, stream));
+  // W1 [E][2n][d] = [E][K][N]; two tensors: K-tiles [0, n) of w1, [n, 2n) of w3.
+  const layer::GateUp gu = layer::gate_up_of(a.weights);
+  SMOE_RETURN_IF_ERROR(engine::varlen_m(layer::dx_tilde_args(er, w.dH, gu, w.dXt), sms, stream));
   profile::mark("dX_proj", stream);
 
   SMOE_RETURN_IF_ERROR(kernels::dx_sum(w.dXt, sv.reverse_scatter_idx, sv.token_offset, w.dl, sv.entry_expert,

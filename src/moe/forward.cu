@@ -7,6 +7,7 @@
 //   out[t] = sum_k s Y[row(t,k)]     fp32 gather-sum, no atomics
 #include "engine/engine.h"
 #include "moe/cublas_handles.h"
+#include "moe/expert_gemms.h"
 #include "moe/layer_common.h"
 #include "moe/layer_kernels.h"
 #include "moe/memory_plan.h"
@@ -93,38 +94,11 @@ Status moe_forward(const MoEForwardArgs& a, cudaStream_t stream) {
 
   // The GEMMs are sized for the row capacity; the scheduler reads the actual rows per expert from
   // expert_offset on the device (rows past expert_offset[E] are never touched).
-  engine::VarlenMArgs up;
-  up.num_experts = s.E;
-  up.N = 2 * s.n;
-  up.K = s.d;
-  up.rows = rows;
-  up.expert_offset = sv.expert_offset;
-  up.A = a.x;
-  up.a_rows = s.T;
-  up.gather_idx = sv.gather_idx;
-  up.B = a.weights.w1;
-  up.B2 = a.weights.w3;  // two tensors: gate rows from w1, up rows from w3, H in halves
-  up.halves = two;
-  up.b_major = engine::WeightMajor::kNK;
-  up.epilogue = engine::Epilogue::kSwiGLU;
-  up.D = sv.h;
-  up.D2 = w.act;
-  SMOE_RETURN_IF_ERROR(engine::varlen_m(up, sms, stream));
+  const layer::ExpertRows er{s.E, s.d, s.n, rows, sv.expert_offset, sv.gather_idx, s.T};
+  const layer::GateUp gu = layer::gate_up_of(a.weights);
+  SMOE_RETURN_IF_ERROR(engine::varlen_m(layer::up_proj_args(er, a.x, gu, sv.h, w.act), sms, stream));
   profile::mark("up_proj", stream);
-
-  engine::VarlenMArgs down;
-  down.num_experts = s.E;
-  down.N = s.d;
-  down.K = s.n;
-  down.rows = rows;
-  down.expert_offset = sv.expert_offset;
-  down.A = w.act;
-  down.a_rows = rows;
-  down.B = a.weights.w2;
-  down.b_major = engine::WeightMajor::kNK;
-  down.epilogue = engine::Epilogue::kStore;
-  down.D = w.y;
-  SMOE_RETURN_IF_ERROR(engine::varlen_m(down, sms, stream));
+  SMOE_RETURN_IF_ERROR(engine::varlen_m(layer::down_proj_args(er, w.act, a.weights.w2, w.y), sms, stream));
   profile::mark("down_proj", stream);
 
   SMOE_RETURN_IF_ERROR(kernels::aggregate(w.y, sv.scores, sv.reverse_scatter_idx, sv.token_offset, s.d, s.T, s.K,

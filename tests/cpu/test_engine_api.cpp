@@ -12,7 +12,9 @@
 #include "engine/engine.h"
 #include "engine/heuristic.h"
 #include "engine/overrides.h"
+#include "engine/rules.h"
 #include "engine/tune_cache.h"
+#include "moe/expert_gemms.h"
 
 namespace eng = smoe::engine;
 
@@ -633,4 +635,91 @@ TEST(EngineTuneCache, PathAndSwitches) {
   eng::Overrides f;
   f.bn_k = 256;
   EXPECT_TRUE(f.forces());
+}
+
+// The layer's six GEMMs as the shared builders make them (moe/expert_gemms.h), for each gate/up form
+// the layers hand over: every call passes the engine's rules, is the GEMM kind the tuner keys it by,
+// and has the dimensions and operand offsets of its math (a builder that swapped N and K, or dropped
+// the up half's offset, fails here before any GPU run).
+TEST(ExpertGemms, BuildersMakeTheLayersSixCalls) {
+  namespace layer = smoe::layer;
+  using smoe::bf16;
+  const int E = 8, d = 256, n = 192;
+  const int64_t rows = 1000, T = 300;
+  const layer::ExpertRows er{E, d, n, rows, fake<const int32_t>(0x10000), fake<const int32_t>(0x20000), T};
+  const bf16* x = fake<const bf16>(0x100000);
+  const bf16* dout = fake<const bf16>(0x200000);
+  const bf16* w1 = fake<const bf16>(0x1000000);
+  const bf16* w3 = fake<const bf16>(0x2000000);
+  const bf16* w2 = fake<const bf16>(0x3000000);
+  bf16* h = fake<bf16>(0x4000000);
+  bf16* act = fake<bf16>(0x5000000);
+  bf16* y = fake<bf16>(0x6000000);
+  bf16* dh = fake<bf16>(0x7000000);
+  bf16* ap = fake<bf16>(0x8000000);
+  float* dsp = fake<float>(0x9000000);
+  bf16* dw1 = fake<bf16>(0xa000000);
+  bf16* dw3 = fake<bf16>(0xb000000);
+  bf16* dw2 = fake<bf16>(0xc000000);
+  bf16* dxt = fake<bf16>(0xd000000);
+  const layer::GateUp forms[] = {layer::gate_up_of({nullptr, w1, w2, nullptr}),  // interleaved w1
+                                 layer::gate_up_of({nullptr, w1, w2, w3}),       // two tensors
+                                 {w1, w1 + int64_t{n} * d, 2 * n, true}};        // concatenated
+  EXPECT_FALSE(forms[0].halves);
+  EXPECT_TRUE(forms[1].halves && forms[1].b2 == w3 && forms[1].stride == 0);
+  for (const layer::GateUp& gu : forms) {
+    SCOPED_TRACE(gu.b2 == nullptr ? "interleaved" : gu.stride ? "concatenated" : "two tensors");
+    const eng::VarlenMArgs up = layer::up_proj_args(er, x, gu, h, act);
+    EXPECT_EQ(eng::check_varlen_m(up).message, "");  // ok: no rule broken
+    EXPECT_EQ(eng::kind_of(up), Kind::up_swiglu);
+    EXPECT_EQ(up.N, 2 * n);
+    EXPECT_EQ(up.K, d);
+    EXPECT_EQ(up.a_rows, T);
+    EXPECT_EQ(up.halves, gu.halves);
+    EXPECT_EQ(up.b_expert_stride, gu.stride);
+
+    const eng::VarlenMArgs down = layer::down_proj_args(er, act, w2, y);
+    EXPECT_EQ(eng::check_varlen_m(down).message, "");  // ok: no rule broken
+    EXPECT_EQ(eng::kind_of(down), Kind::down_store);
+    EXPECT_EQ(down.N, d);
+    EXPECT_EQ(down.K, n);
+    EXPECT_EQ(down.a_rows, rows);
+
+    const layer::DSwiGLUIo io{h, fake<const float>(0xe000000), fake<const int32_t>(0xf000000), dh, ap, dsp};
+    const eng::VarlenMArgs da = layer::da_proj_args(er, dout, w2, gu.halves, io);
+    EXPECT_EQ(eng::check_varlen_m(da).message, "");  // ok: no rule broken
+    EXPECT_EQ(eng::kind_of(da), Kind::da_dswiglu);
+    EXPECT_EQ(da.N, n);
+    EXPECT_EQ(da.K, d);
+    EXPECT_EQ(da.b_major, eng::WeightMajor::kKN);
+
+    const eng::VarlenKArgs k2 = layer::dw2_args(er, dout, ap, dw2);
+    EXPECT_EQ(eng::check_varlen_k(k2).message, "");  // ok: no rule broken
+    EXPECT_EQ(eng::kind_of(k2), Kind::dw_gather_p);
+    EXPECT_EQ(k2.M, d);
+    EXPECT_EQ(k2.N, n);
+    EXPECT_EQ(k2.gather_rows, T);
+
+    // Two outputs only for two tensors; the concatenated gradient is one call over 2n rows.
+    const bool two_outputs = gu.halves && gu.stride == 0;
+    for (int half = 0; half < (two_outputs ? 2 : 1); ++half) {
+      const eng::VarlenKArgs k1 = layer::dw1_args(er, dh, x, two_outputs, half, half ? dw3 : dw1);
+      EXPECT_EQ(eng::check_varlen_k(k1).message, "");  // ok: no rule broken
+      EXPECT_EQ(eng::kind_of(k1), Kind::dw_gather_p_t);
+      EXPECT_EQ(k1.M, two_outputs ? n : 2 * n);
+      EXPECT_EQ(k1.N, d);
+      EXPECT_EQ(k1.P, dh + int64_t{half} * n);
+      EXPECT_EQ(k1.ld_p, 2 * n);
+      EXPECT_EQ(k1.D, half ? dw3 : dw1);
+    }
+
+    const eng::VarlenMArgs dx = layer::dx_tilde_args(er, dh, gu, dxt);
+    EXPECT_EQ(eng::check_varlen_m(dx).message, "");  // ok: no rule broken
+    EXPECT_EQ(eng::kind_of(dx), Kind::dx_store);
+    EXPECT_EQ(dx.N, d);
+    EXPECT_EQ(dx.K, 2 * n);
+    EXPECT_EQ(dx.B2, gu.b2);
+    EXPECT_EQ(dx.b_expert_stride, gu.stride);
+    EXPECT_FALSE(dx.halves);
+  }
 }
