@@ -48,3 +48,25 @@ def test_layer_ab_reports_are_read_by_name_and_side(tmp_path):
     (tmp_path / "ab.json").write_text(json.dumps(rep))
     assert m.layer_stages(str(tmp_path / "ab.json"), "b0_configs", "b0") == {"X": {"bwd.dW1": 3.0}}
     assert m.layer_stages(str(tmp_path / "ab.json"), "b0_configs") == {"X": {"bwd.dW1": 2.0}}
+
+
+def test_logged_picks_from_a_tuner_json(tmp_path):
+    # tuner_report.py's JSON: its sets name their configs file (for the rows); the `heuristic`
+    # candidate is the logged pick, taken without any binary.
+    cfgs = tmp_path / "c.json"
+    cfgs.write_text(json.dumps([{"name": "DeepSeek-V3.2", "T": 32768, "d": 7168, "n": 2048, "E": 256, "K": 8}]))
+    tj = {"sets": [{"name": "public", "configs": str(cfgs), "keys": [
+        {"config": "DeepSeek-V3.2", "kind": "da_dswiglu", "N": 2048, "K": 7168, "E": 256, "halves": False,
+         "candidates": [{"config": "da_dswiglu_pp64_c2<256>", "ms": 20.0, "heuristic": True},
+                        {"config": "da_dswiglu_pp_c2<128>", "ms": 16.0, "heuristic": False}]}]}]}
+    (tmp_path / "t.json").write_text(json.dumps(tj))
+    layer = {"results": [{"config": {"name": "DeepSeek-V3.2"}, "kernels": {"bwd.dA_proj_ms": 21.0}}]}
+    (tmp_path / "l.json").write_text(json.dumps(layer))
+    out = subprocess.run([sys.executable, str(SCRIPT), "--pick", "logged", "--tuner-json", str(tmp_path / "t.json"),
+                          "--layer", str(tmp_path / "l.json")], capture_output=True, text=True, check=True).stdout
+    row = [c.strip() for c in next(l for l in out.splitlines() if l.startswith("| DeepSeek")).split("|")[1:-1]]
+    assert row[2] == "da_dswiglu_pp64_c2<256>" and row[3] == "20.000" and row[5] == "1.05"
+    # --pick heuristic without a binary is refused, naming the flag.
+    bad = subprocess.run([sys.executable, str(SCRIPT), "--tuner-json", str(tmp_path / "t.json"),
+                          "--layer", str(tmp_path / "l.json")], capture_output=True, text=True)
+    assert bad.returncode != 0 and "--bin" in bad.stderr
