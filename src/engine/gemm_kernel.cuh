@@ -7,6 +7,7 @@
 #pragma once
 
 #include <atomic>
+#include <type_traits>
 
 #include "cute/tensor.hpp"
 #include "cutlass/arch/barrier.h"
@@ -22,6 +23,19 @@
 
 namespace smoe {
 namespace engine {
+
+// The widest BN at which a cooperative tile loads its epilogue's per-row inputs before the
+// mainloop (Epi::prefetch); wider tiles stream them row by row after it (Epi::apply_tile, as
+// ping-pong does). An epilogue sets kCoopPrefetchMaxBN where its inputs would not fit beside the
+// accumulator (dSwiGLU at 128 x 256 spilled 520-650 bytes with the prefetch).
+template <class Epi, class = void>
+struct CoopPrefetchMaxBN {
+  static constexpr int value = 256;
+};
+template <class Epi>
+struct CoopPrefetchMaxBN<Epi, std::void_t<decltype(Epi::kCoopPrefetchMaxBN)>> {
+  static constexpr int value = Epi::kCoopPrefetchMaxBN;
+};
 
 template <class Traits>
 __global__ void __launch_bounds__(kThreads, 1) engine_kernel(const __grid_constant__ typename Traits::Params p) {
@@ -90,12 +104,17 @@ struct KernelBody {
     for (int t = sched.first(); t < total; t += sched.stride()) {
       int k_tiles = 0, tail_valid = 0;
       const TileCtx ctx = tile_ctx(sched.get(t), k_tiles, tail_valid);
-      const auto pre = Epi::prefetch(p.epi, accum, cd, ctx);  // per-row epilogue inputs, early
-      Consumer::template run<Tail>(tiled_mma, tCrA, tCrB, accum, k_tiles, tail_valid, ps, s);
-      if constexpr (kEpiBytes > 0)
+      if constexpr (kEpiBytes > 0) {
+        Consumer::template run<Tail>(tiled_mma, tCrA, tCrB, accum, k_tiles, tail_valid, ps, s);
         Epi::apply_coop(p.epi, p.tma_d, p.d_rows, accum, cd, ctx, s.epi.bytes);
-      else
+      } else if constexpr (Cfg::BN > CoopPrefetchMaxBN<Epi>::value) {
+        Consumer::template run<Tail>(tiled_mma, tCrA, tCrB, accum, k_tiles, tail_valid, ps, s);
+        Epi::apply_tile(p.epi, accum, cd, ctx);  // per-row inputs streamed (registers)
+      } else {
+        const auto pre = Epi::prefetch(p.epi, accum, cd, ctx);  // per-row epilogue inputs, early
+        Consumer::template run<Tail>(tiled_mma, tCrA, tCrB, accum, k_tiles, tail_valid, ps, s);
         Epi::apply(p.epi, accum, cd, ctx, pre);
+      }
     }
     if constexpr (kEpiBytes > 0) Epi::finish();
   }

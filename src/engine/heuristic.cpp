@@ -113,6 +113,19 @@ std::optional<EngineConfig> choose_varlen_m(const VarlenMArgs& a, const DeviceFa
   // with weights above half the L2 (DeepSeek-V3.2 x1.14, wide d8192 n2048 x1.22, E16 K1 n8192
   // x1.08), so dA' takes them at any K and any weight size; the up-projection keeps both limits.
   const bool dsw = a.epilogue == Epilogue::kDSwiGLU;
+  // Lean HBM, dA' at d >= kLeanCoopDSwiGLUMinK: cooperative 128 x 256 (64 x 256 per warpgroup; its
+  // rows' H and scores streamed after the mainloop), paired as the lean cluster rule says. It reads
+  // a third fewer operand bytes per FLOP than ping-pong 128 x 128, and at long K that outweighs the
+  // epilogue the tensor cores wait for. smoe_tune on the H100 (0bb2259 + this tile, 41 shapes,
+  // bench/results/h100/heuristic_fit.md): at d >= 3584 its pick beat the rule before on all 18 keys
+  // (x1.01-1.50: DeepSeek-V3.2 19.7 -> 13.2 ms, DSV2 d5120 n1536 x1.40, Qwen3-235B x1.20, 120B
+  // x1.14), dA' regret 1.135 -> 1.007; at d <= 3072 it lost 3-8% (7B, OLMoE, Qwen3-Next, T20000
+  // d3072, K1 E16 d2048). In the layer DeepSeek-V3.2's dA' went 26.6-27.4 -> 15.4-15.5 ms (the
+  // 128 x 128 pairs ran 1.7x their isolated time there; this tile 1.16x).
+  if (lean && dsw && fs == ForcedSched::kNone && forced == 0 && a.N % 256 == 0 && a.K >= kLeanCoopDSwiGLUMinK) {
+    const EngineConfig c{kind, Sched::kCoop, 256, fc ? fc : big_weights ? 2 : 1};
+    if (is_built(c)) return c;
+  }
   const bool pp64_rule = lean ? pp64_shape && lean_pp64(a, weight_bytes)
                               : pp64_shape && a.N >= 512 && (dsw || (!big_weights && a.epilogue == Epilogue::kSwiGLU));
   const bool pp64 = fs == ForcedSched::kPingPong64 || (fs == ForcedSched::kNone && forced == 0 && pp64_rule);
@@ -161,7 +174,11 @@ std::optional<EngineConfig> choose_varlen_m(const VarlenMArgs& a, const DeviceFa
     const bool wide = store && (forced ? forced == 192 : lean ? pad192 * 8 < a.N : pad192 * 8 <= a.N);
     bn = wide ? 192 : 128;
   } else if (a.epilogue == Epilogue::kDSwiGLU) {
-    bn = 128;  // 64 x 128 per warpgroup keeps its epilogue inside the register budget
+    // 64 x 128 per warpgroup by default. Cooperative 128 x 256 (64 x 256 per warpgroup, the
+    // registers of the 64 x 256 ping-pong) only when forced (a tuner candidate): it reads a third
+    // fewer operand bytes per FLOP than ping-pong 128 x 128 but leaves the tensor cores idle during
+    // its epilogue.
+    bn = forced == 256 && a.N % 256 == 0 ? 256 : 128;
   } else {
     const bool wide = a.N % 256 == 0 && (forced ? forced == 256 : wide_tiles_fill(tiles256, dev));
     bn = wide ? 256 : 128;

@@ -21,6 +21,8 @@ struct DeviceFacts {
 
 // Below this HBM bandwidth (GB/s) the heuristic takes the H100's rules (heuristic.cpp, lean_hbm).
 constexpr int kLeanHbmGbps = 4000;
+// Lean HBM (H100): dA' with K (= d) at least this runs cooperative 128 x 256 (heuristic.cpp).
+constexpr int kLeanCoopDSwiGLUMinK = 3584;
 
 // SwiGLU and store GEMMs with K up to this run ping-pong by default.
 constexpr int kPingPongMaxK = 2048;

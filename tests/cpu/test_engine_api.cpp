@@ -436,19 +436,26 @@ TEST(EngineApi, LeanHbmRules) {
   using Ep = eng::Epilogue;
   using W = eng::WeightMajor;
   // 120B n1024 E128 K8 (262144 rows): the stores (8 / 16 MiB of weights, N 4096) in pairs, the
-  // up-projection cooperative 128 x 256 in pairs (16 MiB), dA' (8 MiB, d 4096) 128 x 128 ping-pong.
+  // up-projection cooperative 128 x 256 in pairs (16 MiB), dA' (8 MiB, d 4096) cooperative 128 x 256.
   EXPECT_EQ(pick(Ep::kStore, W::kKN, 4096, 2048, 128, 262144), "dx_store_pp_c2<192>");
   EXPECT_EQ(pick(Ep::kStore, W::kNK, 4096, 1024, 128, 262144), "down_store_pp_c2<192>");
   EXPECT_EQ(pick(Ep::kSwiGLU, W::kNK, 2048, 4096, 128, 262144), "up_swiglu_c2<256>");
-  EXPECT_EQ(pick(Ep::kDSwiGLU, W::kKN, 1024, 4096, 128, 262144), "da_dswiglu_pp<128>");
+  EXPECT_EQ(pick(Ep::kDSwiGLU, W::kKN, 1024, 4096, 128, 262144), "da_dswiglu<256>");
   // 30B n512: the up-projection's 8 MiB of weights, no pair.
   EXPECT_EQ(pick(Ep::kSwiGLU, W::kNK, 1024, 4096, 128, 262144), "up_swiglu<256>");
   // OLMoE-7B: dA' at d = 2048 on the 64 x 256 pairs; dX~ (8 MiB, N 2048) cooperative, not ping-pong.
   EXPECT_EQ(pick(Ep::kDSwiGLU, W::kKN, 1024, 2048, 64, 262144), "da_dswiglu_pp64_c2<256>");
   EXPECT_EQ(pick(Ep::kStore, W::kKN, 2048, 2048, 64, 262144), "dx_store<256>");
-  // DeepSeek-V3.2's dA' (28 MiB): 128 x 128 pairs; 7B n256 (d 1536): the 64 x 256 pairs for the up-proj.
-  EXPECT_EQ(pick(Ep::kDSwiGLU, W::kKN, 2048, 7168, 256, 262144), "da_dswiglu_pp_c2<128>");
+  // DeepSeek-V3.2's dA' (28 MiB, d 7168): cooperative 128 x 256 in pairs; 7B n256 (d 1536): the
+  // 64 x 256 pairs for the up-proj.
+  EXPECT_EQ(pick(Ep::kDSwiGLU, W::kKN, 2048, 7168, 256, 262144), "da_dswiglu_c2<256>");
   EXPECT_EQ(pick(Ep::kSwiGLU, W::kNK, 512, 1536, 128, 196608), "up_swiglu_pp64_c2<256>");
+  // dA' from d = kLeanCoopDSwiGLUMinK (3584): cooperative 128 x 256 (Qwen2-57B d3584 n2560, 17.5 MiB,
+  // in pairs); below it the rules before (T20000 d3072 n768: 128 x 128 ping-pong), and never at
+  // N % 256 != 0 (d6144 n2880: the 128 x 128 pairs).
+  EXPECT_EQ(pick(Ep::kDSwiGLU, W::kKN, 2560, 3584, 64, 262144), "da_dswiglu_c2<256>");
+  EXPECT_EQ(pick(Ep::kDSwiGLU, W::kKN, 768, 3072, 96, 120000), "da_dswiglu_pp<128>");
+  EXPECT_EQ(pick(Ep::kDSwiGLU, W::kKN, 2880, 6144, 64, 196608), "da_dswiglu_pp_c2<128>");
   // gpt-oss-20b's dX~ (N 2880, 31.6 MiB) in pairs; its down-proj (15.8 MiB) not.
   EXPECT_EQ(pick(Ep::kStore, W::kKN, 2880, 5760, 32, 65536), "dx_store_pp_c2<192>");
   EXPECT_EQ(pick(Ep::kStore, W::kNK, 2880, 2880, 32, 65536), "down_store_pp<192>");
@@ -522,7 +529,7 @@ TEST(EngineTuneCache, LabelsParseBackToTheirConfigs) {
           EXPECT_TRUE(*back == cfg) << eng::to_string(cfg);
           built += eng::is_built(cfg);
         }
-  EXPECT_EQ(built, 39);  // the instance list (SMOE_ENGINE_SPECS)
+  EXPECT_EQ(built, 41);  // the instance list (SMOE_ENGINE_SPECS)
   EXPECT_FALSE(eng::parse_config("down_store<100>").has_value());
   EXPECT_FALSE(eng::parse_config("up_swiglu_n2<192>").has_value());
   EXPECT_FALSE(eng::parse_config("").has_value());

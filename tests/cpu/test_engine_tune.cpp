@@ -174,8 +174,8 @@ TEST(EngineTune, CandidatesAreTheForcibleInstantiations) {
             (std::vector<std::string>{"up_swiglu_pp64_c2<256>", "up_swiglu<128>", "up_swiglu<256>",
                                       "up_swiglu_pp<128>", "up_swiglu_c2<256>", "up_swiglu_pp_c2<128>"}));
   EXPECT_EQ(labels(eng::candidates_varlen_m(m_call(Kind::da_dswiglu, 4096, 512, 128, rows), dev)),
-            (std::vector<std::string>{"da_dswiglu_pp64_c2<256>", "da_dswiglu<128>", "da_dswiglu_pp<128>",
-                                      "da_dswiglu_pp_c2<128>"}));
+            (std::vector<std::string>{"da_dswiglu_pp64_c2<256>", "da_dswiglu<128>", "da_dswiglu<256>",
+                                      "da_dswiglu_pp<128>", "da_dswiglu_c2<256>", "da_dswiglu_pp_c2<128>"}));
   // n = 192: N = 384 for the up-proj (no 256 tiles, no 64 x 256 pairs), 192 for dA'.
   EXPECT_EQ(labels(eng::candidates_varlen_m(m_call(Kind::up_swiglu, 768, 192, 8, 1000), dev)),
             (std::vector<std::string>{"up_swiglu_pp<128>", "up_swiglu<128>", "up_swiglu_pp_c2<128>"}));

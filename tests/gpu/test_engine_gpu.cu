@@ -276,7 +276,7 @@ void run_m(const MCase& c) {
     const char* staged = "1";  // SMOE_ENGINE_STAGED_STORE: ping-pong stores staged (_pps, _pps2) or not (_pp)
   };
   std::vector<Run> runs = {{"coop", "128", "1", kind + "<128>"}, {"pingpong", "128", "1", kind + "_pp<128>", "0"}};
-  if (!dswiglu && c.N % 256 == 0) {
+  if (c.N % 256 == 0) {  // dA' too: cooperative 128 x 256 streams its rows (apply_tile)
     runs.push_back({"coop", "256", "1", kind + "<256>"});
     runs.push_back({"coop", "256", "2", kind + "_c2<256>"});
   }

@@ -13,6 +13,9 @@ namespace engine {
 template <bool kHalves>
 struct EpiDSwiGLUT {
   using Params = EpiDSwiGLUParams;
+  // Cooperative 128 x 256 (64 x 256 per warpgroup) streams its rows through apply_tile: two rows
+  // of prefetched H beside that accumulator spill (gemm_kernel.cuh, CoopPrefetchMaxBN).
+  static constexpr int kCoopPrefetchMaxBN = 128;
 
   // H values and score of one of this thread's two rows.
   template <int kGroups>
