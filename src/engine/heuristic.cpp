@@ -175,9 +175,8 @@ std::optional<EngineConfig> choose_varlen_m(const VarlenMArgs& a, const DeviceFa
     bn = wide ? 192 : 128;
   } else if (a.epilogue == Epilogue::kDSwiGLU) {
     // 64 x 128 per warpgroup by default. Cooperative 128 x 256 (64 x 256 per warpgroup, the
-    // registers of the 64 x 256 ping-pong) only when forced (a tuner candidate): it reads a third
-    // fewer operand bytes per FLOP than ping-pong 128 x 128 but leaves the tensor cores idle during
-    // its epilogue.
+    // registers of the 64 x 256 ping-pong) here only when forced (a tuner candidate); the lean rule
+    // above returns it directly at d >= kLeanCoopDSwiGLUMinK.
     bn = forced == 256 && a.N % 256 == 0 ? 256 : 128;
   } else {
     const bool wide = a.N % 256 == 0 && (forced ? forced == 256 : wide_tiles_fill(tiles256, dev));
