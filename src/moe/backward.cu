@@ -104,9 +104,11 @@ Status moe_backward(const MoEBackwardArgs& a, cudaStream_t stream) {
   }
 
   const layer::ExpertRows er{s.E, s.d, s.n, rows, expert_offset, sv.gather_idx, s.T};
-  // H (saved) and dH in halves with two tensors: gate columns [0, n), up [n, 2n).
+  // W1 [E][2n][d]; two tensors: H (saved) and dH in halves (gate columns [0, n), up [n, 2n)), and
+  // dX~'s K-tiles [0, n) from w1, [n, 2n) from w3.
+  const layer::GateUp gu = layer::gate_up_of(a.weights);
   const layer::DSwiGLUIo io{sv.h, sv.scores, sv.scatter_idx, w.dH, w.a_prime, w.ds_partial};
-  SMOE_RETURN_IF_ERROR(engine::varlen_m(layer::da_proj_args(er, a.dout, a.weights.w2, two, io), sms, stream));
+  SMOE_RETURN_IF_ERROR(engine::varlen_m(layer::da_proj_args(er, a.dout, a.weights.w2, gu.halves, io), sms, stream));
   SMOE_RETURN_IF_ERROR(kernels::ds_rowsum(w.ds_partial, engine::ds_partial_tiles(s.n), sv.scatter_idx, rows,
                                           nnz, dS, stream, valid));
   profile::mark("dA_proj", stream);
@@ -157,8 +159,6 @@ Status moe_backward(const MoEBackwardArgs& a, cudaStream_t stream) {
         engine::varlen_k(layer::dw1_args(er, w.dH, a.x, two, half, half == 0 ? a.dw1 : a.dw3), sms, stream));
   profile::mark("dW1", stream);
 
-  // W1 [E][2n][d] = [E][K][N]; two tensors: K-tiles [0, n) of w1, [n, 2n) of w3.
-  const layer::GateUp gu = layer::gate_up_of(a.weights);
   SMOE_RETURN_IF_ERROR(engine::varlen_m(layer::dx_tilde_args(er, w.dH, gu, w.dXt), sms, stream));
   profile::mark("dX_proj", stream);
 
