@@ -1,0 +1,155 @@
+#!/usr/bin/env python3
+"""A heuristic change's layer A/B on any shapes, with one build: the old rule's picks as a tune cache.
+
+  python3 bench/reports/rule_cache.py --old OLD_BIN --new build/smoe_heuristic --sm-count 132 --hbm-gbps 3352 \
+      --configs bench/configs/unseen_draw.json [--configs ...] [--kinds da_dswiglu] [--controls 3] \
+      --out-configs changed.json --out-cache old_picks.cache.json
+  python3 bench/reports/rule_cache.py --check-log bench/results/h100/tune/configs.tune.log   (the key map)
+
+OLD_BIN / NEW_BIN: two builds of apps/smoe_heuristic (the heuristic with no GPU). The old one needs no
+CUDA build: `g++ -std=c++17 -I<dir with the old engine/heuristic.h> -Isrc -Iinclude -Ibuild/engine_instances
+apps/smoe_heuristic.cpp src/engine/{heuristic,config,overrides}.cpp` (a copied heuristic.cpp works the
+same way). For every shape of the configs files, each layer GEMM's tune key (the map below, the one
+the layer looks up) goes to both; the shapes where some pick of --kinds differs are written to
+--out-configs (bench_layer's format; plus --controls shapes where nothing differs) and the old picks
+of the differing keys to --out-cache (the tune cache format, version 2). Then, in one device call
+with the new build (`scripts/device.sh ab`):
+  cp changed.json bench/configs/<stem>.json
+  AB_ENV_A='SMOE_ENGINE_TUNE= SMOE_ENGINE_TUNE_CACHE=old_picks.cache.json' AB_VARIANTS='rule:' AB_CONFIGS=<stem> ...
+side A reads the old picks (SMOE_ENGINE_TUNE= : the cache is read, nothing measured), side B is the
+heuristic. Keys of two shapes that share a cache key (same N, K, E, log2 rows bucket) but were given
+different old picks are reported and the shape dropped (its A side would be ambiguous).
+"""
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from tuner_report import CONFIG_RE, KEY_RE  # noqa: E402  (the tune log's one grammar)
+
+# The layer's GEMMs as the tune keys name them (smoe_tune's logs, checked by --check-log): kind -> (N, K)
+# from the layer's shape; every one has rows = T K. Varlen-K kinds: N and K as the key has them.
+KEY_MAP = {
+    "up_swiglu": lambda d, n: (2 * n, d),
+    "down_store": lambda d, n: (d, n),
+    "da_dswiglu": lambda d, n: (n, d),
+    "dw_gather_p": lambda d, n: (n, d),
+    "dw_gather_p_t": lambda d, n: (2 * n, d),
+    "dx_store": lambda d, n: (d, 2 * n),
+}
+
+
+def rows_bucket(rows, experts):
+    """tune_cache.cpp's rows_bucket: floor(log2(rows / E)) of the integer quotient, 0 below 2."""
+    per, b = rows // experts if experts > 0 else rows, 0
+    while per > 1:
+        per >>= 1
+        b += 1
+    return b
+
+
+def layer_keys(cfg, kinds):
+    T, d, n, E, K = cfg["T"], cfg["d"], cfg["n"], cfg["E"], cfg["K"]
+    return [(kind, *KEY_MAP[kind](d, n), E, T * K) for kind in kinds]
+
+
+def picks(binary, keys, sm_count, hbm_gbps):
+    text = "".join(f"{k} N={N} K={Kd} E={E} rows={rows} halves=0 sm_count={sm_count} hbm_gbps={hbm_gbps}\n"
+                   for k, N, Kd, E, rows in keys)
+    out = subprocess.run([binary], input=text, capture_output=True, text=True, check=True).stdout.split("\n")
+    got = [line.strip() for line in out if line.strip()]
+    if len(got) != len(keys) or any(g.startswith("error") for g in got):
+        sys.exit(f"{binary}: unexpected output {got[:3]}")
+    return got
+
+
+def check_log(path):
+    """The key map against a tune log: each config's interleaved (halves=0) keys are the map's (a key an
+    earlier config of the log had is not listed again)."""
+    cfg, logged, bad, n_keys = None, {}, 0, 0
+    for line in open(path):
+        m = CONFIG_RE.match(line)
+        if m:
+            cfg = dict(name=m.group(1), T=int(m.group(2)), d=int(m.group(3)), n=int(m.group(4)), E=int(m.group(5)),
+                       K=int(m.group(6)))
+            logged[cfg["name"]] = (cfg, set())
+            continue
+        m = KEY_RE.match(line)
+        if m and cfg and m.group(6) == "0":
+            logged[cfg["name"]][1].add((m.group(1), int(m.group(2)), int(m.group(3)), int(m.group(4)), int(m.group(5))))
+    seen = set()  # smoe_tune prints a key once: a later config sharing it does not list it again
+    for name, (cfg, keys) in logged.items():
+        mine = {(k, N, Kd, E, rows_bucket(rows, E)) for k, N, Kd, E, rows in layer_keys(cfg, list(KEY_MAP))}
+        n_keys += len(keys)
+        if keys - mine:
+            bad += 1
+            print(f"{name}: keys the map does not make: {sorted(keys - mine)}")
+        if mine - keys - seen:  # e.g. a key the tune cache had before the run: measured, so not printed
+            print(f"{name}: not in the log (in the cache before?): {sorted(mine - keys - seen)}")
+        seen |= keys
+    print(f"{path}: {len(logged)} configs, {n_keys} keys, {bad} configs with keys the map does not make")
+    return bad == 0
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--check-log", action="append", default=[], help="a smoe_tune log: check the key map")
+    p.add_argument("--old")
+    p.add_argument("--new")
+    p.add_argument("--configs", action="append", default=[])
+    p.add_argument("--kinds", default=",".join(KEY_MAP), help="comma-separated tune kinds to compare")
+    p.add_argument("--sm-count", type=int, default=132)
+    p.add_argument("--hbm-gbps", type=int, help="the device's, as its tune keys have it (H100 3352)")
+    p.add_argument("--controls", type=int, default=0, help="unchanged shapes to keep as controls")
+    p.add_argument("--out-configs")
+    p.add_argument("--out-cache")
+    a = p.parse_args()
+    if a.check_log:
+        sys.exit(0 if all([check_log(f) for f in a.check_log]) else 1)
+    if not (a.old and a.new and a.configs and a.hbm_gbps and a.out_configs and a.out_cache):
+        p.error("--old, --new, --configs, --hbm-gbps, --out-configs and --out-cache are required")
+    kinds = a.kinds.split(",")
+    for k in kinds:
+        if k not in KEY_MAP:
+            p.error(f"--kinds: {k} is not one of {','.join(KEY_MAP)}")
+    cfgs = [c for f in a.configs for c in json.load(open(f))]
+    keys = [k for c in cfgs for k in layer_keys(c, kinds)]
+    old, new = picks(a.old, keys, a.sm_count, a.hbm_gbps), picks(a.new, keys, a.sm_count, a.hbm_gbps)
+    entries, changed, controls, cache = {}, [], [], {}
+    per = len(kinds)
+    for i, c in enumerate(cfgs):
+        diff = [(keys[j], old[j], new[j]) for j in range(i * per, (i + 1) * per) if old[j] != new[j]]
+        if not diff:
+            if len(controls) < a.controls:
+                controls.append(c)
+            continue
+        clash = False
+        for (kind, N, Kd, E, rows), o, _ in diff:
+            ck = (kind, N, Kd, E, rows_bucket(rows, E))
+            if cache.get(ck, o) != o:
+                print(f"{c['name']}: key {ck} has two old picks ({cache[ck]}, {o}); shape dropped")
+                clash = True
+        if clash:
+            continue
+        for (kind, N, Kd, E, rows), o, nw in diff:
+            ck = (kind, N, Kd, E, rows_bucket(rows, E))
+            cache[ck] = o
+            entries[ck] = {"kind": kind, "N": N, "K": Kd, "E": E, "rows_bucket": ck[4], "halves": False,
+                           "sm_count": a.sm_count, "hbm_gbps": a.hbm_gbps, "config": o}
+            print(f"{c['name']}: {kind} N={N} K={Kd}: {o} -> {nw}")
+        changed.append(c)
+    json.dump(changed + controls, open(a.out_configs, "w"), indent=1)
+    with open(a.out_cache, "w") as f:
+        f.write('{"version": 2, "entries": [\n')
+        f.write(",\n".join("  " + json.dumps(e) for e in entries.values()))
+        f.write("\n]}\n")
+    print(f"{len(changed)} of {len(cfgs)} shapes change ({len(entries)} keys), {len(controls)} controls -> "
+          f"{a.out_configs}, {a.out_cache}")
+
+
+if __name__ == "__main__":
+    main()

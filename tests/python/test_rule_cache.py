@@ -1,0 +1,64 @@
+"""bench/reports/rule_cache.py (CPU): the layer's GEMM keys are the ones smoe_tune logs, and a rule
+change's old picks become a tune cache for exactly the keys whose pick changed, with the changed
+shapes (and controls) as a configs file."""
+
+import importlib.util
+import json
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench/reports"))
+spec = importlib.util.spec_from_file_location("rule_cache", ROOT / "bench/reports/rule_cache.py")
+rc = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(rc)
+
+
+def test_key_map_matches_committed_tune_logs():
+    # Real smoe_tune output (H100): every key of every config is the map's.
+    for name in ("configs", "wide_configs", "sweep_configs", "tune_extra_configs"):
+        assert rc.check_log(str(ROOT / f"bench/results/h100/tune/{name}.tune.log"))
+
+
+def test_key_map_check_fails_on_a_key_it_does_not_make(tmp_path):
+    log = tmp_path / "bad.tune.log"
+    log.write_text("x: T=1024 d=768 n=256 E=8 K=2\n"
+                   "  da_dswiglu N=768 K=256 E=8 rows_bucket=8 halves=0 sm_count=132\n")  # N and K swapped
+    assert not rc.check_log(str(log))
+
+
+def test_rows_bucket_is_the_tune_caches():
+    assert rc.rows_bucket(40960 * 8, 128) == 11  # 2560 rows per expert
+    assert rc.rows_bucket(2043 * 8, 64) == 7  # 255: floor of log2
+    assert rc.rows_bucket(1, 8) == 0
+
+
+def fake_heuristic(tmp_path, name, da_pick):
+    """A stand-in smoe_heuristic: 'base' for every key, da_pick for dA' keys with K >= 4096."""
+    p = tmp_path / name
+    p.write_text(f"#!{sys.executable}\n"
+                 "import sys\n"
+                 "for line in sys.stdin:\n"
+                 "    f = line.split(); k = int(f[2].split('=')[1])\n"
+                 f"    print('{da_pick}' if f[0] == 'da_dswiglu' and k >= 4096 else 'base')\n")
+    p.chmod(0o755)
+    return str(p)
+
+
+def test_old_picks_of_changed_keys_only(tmp_path):
+    cfgs = [dict(name="small", T=4096, d=2048, n=512, E=64, K=4),
+            dict(name="big", T=4096, d=4096, n=1024, E=64, K=8),
+            dict(name="big2", T=8192, d=6144, n=1024, E=32, K=2),
+            dict(name="small2", T=512, d=1024, n=256, E=16, K=2)]
+    cf = tmp_path / "c.json"
+    cf.write_text(json.dumps(cfgs))
+    old, new = fake_heuristic(tmp_path, "old", "da_old"), fake_heuristic(tmp_path, "new", "da_new")
+    out_c, out_k = tmp_path / "changed.json", tmp_path / "old.cache.json"
+    sys.argv = ["rule_cache.py", "--old", old, "--new", new, "--configs", str(cf), "--hbm-gbps", "3352",
+                "--controls", "1", "--out-configs", str(out_c), "--out-cache", str(out_k)]
+    rc.main()
+    assert [c["name"] for c in json.loads(out_c.read_text())] == ["big", "big2", "small"]
+    cache = json.loads(out_k.read_text())
+    assert cache["version"] == 2
+    assert [(e["kind"], e["N"], e["K"], e["E"], e["rows_bucket"], e["config"], e["hbm_gbps"]) for e in cache["entries"]] == [
+        ("da_dswiglu", 1024, 4096, 64, 9, "da_old", 3352), ("da_dswiglu", 1024, 6144, 32, 9, "da_old", 3352)]
