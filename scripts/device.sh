@@ -80,7 +80,8 @@
 #             rounds in the reverse order unless AB_ORDER=fixed) of
 #             bench_layer over each configs file stem of AB_CONFIGS (default "configs wide_configs":
 #             bench/configs/<stem>.json; 'unseen': bench/configs/unseen.py's draw with seed
-#             AB_UNSEEN_SEED, default today's date, in $OUT/ab/unseen.json), SMOE_ENGINE_TUNE=0,
+#             AB_UNSEEN_SEED, default today's date, in $OUT/ab/unseen.json; or a path to a configs
+#             JSON, e.g. docs/wip/<name>.heldout.json, its stem the file name), SMOE_ENGINE_TUNE=0,
 #             AB_WARMUP (2), AB_REPS (8), AB_TIMEOUT (150 s a pass) -> $OUT/ab/<side>_<stem>_<round>.json, then
 #             bench/reports/layer_ab.py per variant and stem -> $OUT/ab/ab_<variant>_<stem>.{json,md}
 #
@@ -586,7 +587,7 @@ ab_vars() { case "$1" in *:*) printf '%s' "${1#*:}" ;; esac; }  # 'name:VAR=v ..
 step_ab() {
   need_bin bench_layer ab || return 1
   local d="$OUT/ab" rc=0 a_bin="$STATE/bench_a" b_bin="$BUILD/bench_layer" digest=0
-  local w="${AB_WARMUP:-2}" r="${AB_REPS:-8}" t="${AB_TIMEOUT:-150}" i stem v name vars f
+  local w="${AB_WARMUP:-2}" r="${AB_REPS:-8}" t="${AB_TIMEOUT:-150}" i stem entry v name vars f
   local variants=() names=() order="${AB_ORDER:-alternate}"
   case "$order" in alternate | fixed) ;; *) say "AB_ORDER=$order: alternate or fixed"; return 1 ;; esac
   IFS=';' read -r -a variants <<<"${AB_VARIANTS:-b:}"
@@ -646,9 +647,8 @@ step_ab() {
     if [ "$order" = alternate ] && [ $((i % 2)) -eq 0 ]; then
       round=(); for ((k = ${#sides[@]} - 1; k >= 0; k--)); do round+=("${sides[k]}"); done
     fi
-    for stem in ${AB_CONFIGS:-configs wide_configs}; do
-      f="bench/configs/$stem.json"
-      [ "$stem" = unseen ] && f="$d/unseen.json"
+    for entry in ${AB_CONFIGS:-configs wide_configs}; do
+      f=$(ab_config_file "$entry" "$d"); stem=$(ab_config_stem "$entry")
       for v in "${round[@]}"; do
         if [ "$v" = -a- ]; then
           xt -a "$d/a_${stem}_$i.log" "$t" env SMOE_ENGINE_TUNE=0 ${env_a[@]+"${env_a[@]}"} "$a_bin" --configs "$f" \
@@ -664,7 +664,8 @@ step_ab() {
   done
   local gpu="GPU"
   dry || gpu="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)"
-  for stem in ${AB_CONFIGS:-configs wide_configs}; do
+  for entry in ${AB_CONFIGS:-configs wide_configs}; do
+    stem=$(ab_config_stem "$entry")
     for name in "${names[@]}"; do
       local fa="" fb=""
       for i in $(seq 1 "${AB_ROUNDS:-3}"); do fa+="$d/a_${stem}_$i.json,"; fb+="$d/${name}_${stem}_$i.json,"; done
@@ -675,6 +676,17 @@ step_ab() {
   done
   return $rc
 }
+# An AB_CONFIGS entry: a stem of bench/configs/, 'unseen' (the step's draw), or a path to a configs JSON
+# (e.g. docs/wip/<name>.heldout.json: shapes a rule change picks differently, bench/reports/rule_cache.py),
+# whose reports are named by its file name without .json.
+ab_config_file() {
+  case "$1" in
+    unseen) echo "$2/unseen.json" ;;
+    */*|*.json) echo "$1" ;;
+    *) echo "bench/configs/$1.json" ;;
+  esac
+}
+ab_config_stem() { local b; b=$(basename "$1"); echo "${b%.json}"; }
 summary_ab() {
   grep -E "^digest: |^\[  (PASSED|FAILED) |does not apply|timed out|bad name" "$1" | head -12
   local f

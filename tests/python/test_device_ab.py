@@ -147,3 +147,17 @@ def test_build_targets_limit_the_build(tmp_path):
     r = dry_run(tmp_path, "build")
     builds = [ln for ln in r.stdout.splitlines() if ln.startswith("+ cmake --build")]
     assert len(builds) == 1 and "--target" not in builds[0], r.stdout
+
+
+def test_a_configs_path_runs_that_file_named_by_its_stem(tmp_path):
+    # An AB_CONFIGS entry with a '/' is a configs file anywhere (e.g. docs/wip/<name>.heldout.json),
+    # its reports named by the file name; stems keep meaning bench/configs/<stem>.json.
+    held = tmp_path / "rule.heldout.json"
+    held.write_text(json.dumps([{"name": "h1", "T": 64, "d": 128, "n": 128, "E": 4, "K": 2},
+                                {"name": "h2", "T": 64, "d": 128, "n": 128, "E": 4, "K": 1}]))
+    r, d = run_ab(tmp_path, "x 1", AB_VARIANTS="fast:FAKE_SPEED=2", AB_CONFIGS=f"smoke_configs {held}")
+    assert r.returncode == 0, r.stdout + r.stderr
+    rep = json.loads((d / "ab_fast_rule.heldout.json").read_text())
+    assert abs(rep["summary"]["geomean"] - 2.0) < 1e-9
+    assert [row["config"] for row in rep["rows"]] == ["h1", "h2"]
+    assert (d / "ab_fast_smoke_configs.json").exists()
