@@ -10,12 +10,13 @@ OLD_BIN / NEW_BIN: two builds of apps/smoe_heuristic (the heuristic with no GPU)
 CUDA build: `g++ -std=c++17 -I<dir with the old engine/heuristic.h> -Isrc -Iinclude -Ibuild/engine_instances
 apps/smoe_heuristic.cpp src/engine/{heuristic,config,overrides}.cpp` (a copied heuristic.cpp works the
 same way). For every shape of the configs files, each layer GEMM's tune key (the map below, the one
-the layer looks up) goes to both; the shapes where some pick of --kinds differs are written to
---out-configs (bench_layer's format; plus --controls shapes where nothing differs) and the old picks
-of the differing keys to --out-cache (the tune cache format, version 2). Then, in one device call
-with the new build (`scripts/device.sh ab`):
-  cp changed.json bench/configs/<stem>.json
-  AB_ENV_A='SMOE_ENGINE_TUNE= SMOE_ENGINE_TUNE_CACHE=old_picks.cache.json' AB_VARIANTS='rule:' AB_CONFIGS=<stem> ...
+the layer looks up: bench_layer's interleaved gate/up, halves=0) goes to both; the shapes where some
+pick of --kinds differs are written to --out-configs (bench_layer's format; plus --controls shapes
+where nothing differs) and the old picks of the differing keys to --out-cache (the tune cache format,
+version 2). Then, in one device call with the new build (`scripts/device.sh ab`; an AB_CONFIGS entry
+may be a path):
+  AB_ENV_A='SMOE_ENGINE_TUNE= SMOE_ENGINE_TUNE_CACHE=old_picks.cache.json' AB_VARIANTS='rule:' \
+  AB_CONFIGS='changed.json' scripts/device.sh build ab
 side A reads the old picks (SMOE_ENGINE_TUNE= : the cache is read, nothing measured), side B is the
 heuristic. Keys of two shapes that share a cache key (same N, K, E, log2 rows bucket) but were given
 different old picks are reported and the shape dropped (its A side would be ambiguous).
@@ -24,7 +25,6 @@ different old picks are reported and the shape dropped (its A side would be ambi
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 
