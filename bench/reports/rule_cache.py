@@ -25,11 +25,11 @@ different old picks are reported and the shape dropped (its A side would be ambi
 import argparse
 import json
 import os
-import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from tuner_report import CONFIG_RE, KEY_RE  # noqa: E402  (the tune log's one grammar)
+from heuristic_fit import heuristic_picks  # noqa: E402  (the one smoe_heuristic call)
 
 # The layer's GEMMs as the tune keys name them (smoe_tune's logs, checked by --check-log): kind -> (N, K)
 # from the layer's shape; every one has rows = T K. Varlen-K kinds: N and K as the key has them.
@@ -58,13 +58,8 @@ def layer_keys(cfg, kinds):
 
 
 def picks(binary, keys, sm_count, hbm_gbps):
-    text = "".join(f"{k} N={N} K={Kd} E={E} rows={rows} halves=0 sm_count={sm_count} hbm_gbps={hbm_gbps}\n"
-                   for k, N, Kd, E, rows in keys)
-    out = subprocess.run([binary], input=text, capture_output=True, text=True, check=True).stdout.split("\n")
-    got = [line.strip() for line in out if line.strip()]
-    if len(got) != len(keys) or any(g.startswith("error") for g in got):
-        sys.exit(f"{binary}: unexpected output {got[:3]}")
-    return got
+    return heuristic_picks(binary, [{"kind": k, "N": N, "K": Kd, "E": E, "rows": rows, "halves": 0, "sms": sm_count}
+                                    for k, N, Kd, E, rows in keys], hbm_gbps)
 
 
 def check_log(path):
