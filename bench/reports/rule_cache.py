@@ -20,16 +20,29 @@ may be a path):
 side A reads the old picks (SMOE_ENGINE_TUNE= : the cache is read, nothing measured), side B is the
 heuristic. Keys of two shapes that share a cache key (same N, K, E, log2 rows bucket) but were given
 different old picks are reported and the shape dropped (its A side would be ambiguous).
+
+Scoring an A/B (a patch's, or the cache's) by the stages the change touches:
+  python3 bench/reports/rule_cache.py --old OLD_BIN --new NEW_BIN --hbm-gbps 3352 --configs ... \
+      --a a_configs_1.json --a a_configs_2.json --b b_configs_1.json --b b_configs_2.json [--md score.md]
+--a / --b: bench_layer JSONs of the two sides, one per pass (all configs files' passes together, in
+round order; `scripts/device.sh ab` writes them as ab/<side>_<set>_<round>.json). Each changed key's
+stage (the KEY_MAP kind's layer stage) gets a / b of the lowest pass per side and of each round; every
+other GEMM stage of the same passes, which ran the same kernel on both sides, is the noise it is read
+against (geomean, 10th and 90th percentile). A whole-layer geomean mixes the few stages a rule moves
+with the noise of the rest (bench/results/h100/banded_unpaired_ab.md: changed stages 1.023 against
+unchanged 0.995 where the layer read 0.99-1.00).
 """
 
 import argparse
 import json
+import math
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from tuner_report import CONFIG_RE, KEY_RE  # noqa: E402  (the tune log's one grammar)
 from heuristic_fit import heuristic_picks  # noqa: E402  (the one smoe_heuristic call)
+from layer_ab import load as load_layer_passes  # noqa: E402  (the one bench_layer JSON reader)
 
 # The layer's GEMMs as the tune keys name them (smoe_tune's logs, checked by --check-log): kind -> (N, K)
 # from the layer's shape; every one has rows = T K. Varlen-K kinds: N and K as the key has them.
@@ -55,6 +68,80 @@ def rows_bucket(rows, experts):
 def layer_keys(cfg, kinds):
     T, d, n, E, K = cfg["T"], cfg["d"], cfg["n"], cfg["E"], cfg["K"]
     return [(kind, *KEY_MAP[kind](d, n), E, T * K) for kind in kinds]
+
+
+# Each tune kind's stage in bench_layer's "kernels" (expert_gemms.h: dW2 gathers P = dout, dW1 gathers Q = x).
+STAGE = {"up_swiglu": "fwd.up_proj", "down_store": "fwd.down_proj", "da_dswiglu": "bwd.dA_proj",
+         "dw_gather_p": "bwd.dW2", "dw_gather_p_t": "bwd.dW1", "dx_store": "bwd.dX_proj"}
+
+
+def geomean(xs):
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
+
+
+def load_passes(paths):
+    """[{config name: {stage: ms}}] per pass (layer_ab's reader: configs bench_layer could not run are left out)."""
+    return [{name: {k[:-3]: v for k, v in kernels.items() if k.endswith("_ms")} for name, (_, kernels, _) in runs.items()}
+            for runs in load_layer_passes(paths)]
+
+
+def merge_rounds(paths):
+    """The passes of several configs files, grouped into rounds by position: a path's round is its
+    index among the paths of its own configs file (the same names), so --a x_1 --a y_1 --a x_2 --a y_2
+    and --a x_1 --a x_2 --a y_1 --a y_2 both give two rounds."""
+    rounds, seen = [], {}
+    for runs in load_passes(paths):
+        key = tuple(sorted(runs))
+        i = seen.get(key, 0)
+        seen[key] = i + 1
+        while len(rounds) <= i:
+            rounds.append({})
+        rounds[i].update(runs)
+    return rounds
+
+
+def score(changes, a_paths, b_paths):
+    """changes: {config name: {stage: (old pick, new pick)}}. Rows of the changed stages and the noise
+    of the unchanged GEMM stages, from the two sides' passes."""
+    A, B = merge_rounds(a_paths), merge_rounds(b_paths)
+    if len(A) != len(B):
+        raise SystemExit(f"--a has {len(A)} rounds, --b {len(B)}")
+    rows, noise = [], []
+    for name in A[0]:
+        if any(name not in side[i] for side in (A, B) for i in range(len(A))):
+            continue
+        for stage in STAGE.values():
+            a = [A[i][name][stage] for i in range(len(A))]
+            b = [B[i][name][stage] for i in range(len(B))]
+            ratio = min(a) / min(b)
+            if stage in changes.get(name, {}):
+                old, new = changes[name][stage]
+                rows.append(dict(config=name, stage=stage, old=old, new=new, a_ms=min(a), b_ms=min(b), ratio=ratio,
+                                 rounds=[x / y for x, y in zip(a, b)]))
+            else:
+                noise.append(ratio)
+    return rows, noise
+
+
+def score_md(rows, noise):
+    noise = sorted(noise)
+    pct = lambda q: noise[min(len(noise) - 1, int(q * len(noise)))] if noise else float("nan")  # noqa: E731
+    out = ["| config | stage | a pick -> b pick | a ms | b ms | a / b | per round |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['config']} | {r['stage']} | {r['old']} -> {r['new']} | {r['a_ms']:.3f} | {r['b_ms']:.3f} | "
+                   f"{r['ratio']:.3f} | {' / '.join(f'{x:.2f}' for x in r['rounds'])} |")
+    out.append("")
+    if rows:
+        t_a, t_b = sum(r["a_ms"] for r in rows), sum(r["b_ms"] for r in rows)
+        out.append(f"Changed stages: {len(rows)}, geomean a / b {geomean([r['ratio'] for r in rows]):.3f}, "
+                   f"time-weighted {t_a / t_b:.3f} ({t_a:.1f} ms / {t_b:.1f} ms).")
+        for stage in STAGE.values():
+            xs = [r["ratio"] for r in rows if r["stage"] == stage]
+            if xs:
+                out.append(f"- {stage}: {len(xs)}, geomean {geomean(xs):.3f}, {min(xs):.2f}-{max(xs):.2f}")
+    out.append(f"Unchanged GEMM stages (the same kernel on both sides: the noise): {len(noise)}, geomean "
+               f"{geomean(noise):.3f}, 10th-90th percentile {pct(0.1):.3f}-{pct(0.9):.3f}.")
+    return "\n".join(out) + "\n"
 
 
 def picks(binary, keys, sm_count, hbm_gbps):
@@ -102,11 +189,18 @@ def main():
     p.add_argument("--controls", type=int, default=0, help="unchanged shapes to keep as controls")
     p.add_argument("--out-configs")
     p.add_argument("--out-cache")
+    p.add_argument("--a", action="append", default=[], help="side A's bench_layer JSON, one per pass (scoring)")
+    p.add_argument("--b", action="append", default=[], help="side B's, the same passes (scoring)")
+    p.add_argument("--md", help="scoring: write the table here too")
     a = p.parse_args()
     if a.check_log:
         sys.exit(0 if all([check_log(f) for f in a.check_log]) else 1)
-    if not (a.old and a.new and a.configs and a.hbm_gbps and a.out_configs and a.out_cache):
-        p.error("--old, --new, --configs, --hbm-gbps, --out-configs and --out-cache are required")
+    scoring = bool(a.a or a.b)
+    if scoring and not (a.a and a.b):
+        p.error("scoring needs both --a and --b")
+    if not (a.old and a.new and a.configs and a.hbm_gbps and (scoring or (a.out_configs and a.out_cache))):
+        p.error("--old, --new, --configs, --hbm-gbps and either --out-configs and --out-cache, or --a and --b, "
+                "are required")
     kinds = a.kinds.split(",")
     for k in kinds:
         if k not in KEY_MAP:
@@ -114,7 +208,7 @@ def main():
     cfgs = [c for f in a.configs for c in json.load(open(f))]
     keys = [k for c in cfgs for k in layer_keys(c, kinds)]
     old, new = picks(a.old, keys, a.sm_count, a.hbm_gbps), picks(a.new, keys, a.sm_count, a.hbm_gbps)
-    entries, changed, controls, cache = {}, [], [], {}
+    entries, changed, controls, cache, changes = {}, [], [], {}, {}
     per = len(kinds)
     for i, c in enumerate(cfgs):
         diff = [(keys[j], old[j], new[j]) for j in range(i * per, (i + 1) * per) if old[j] != new[j]]
@@ -136,7 +230,15 @@ def main():
             entries[ck] = {"kind": kind, "N": N, "K": Kd, "E": E, "rows_bucket": ck[4], "halves": False,
                            "sm_count": a.sm_count, "hbm_gbps": a.hbm_gbps, "config": o}
             print(f"{c['name']}: {kind} N={N} K={Kd}: {o} -> {nw}")
+            changes.setdefault(c["name"], {})[STAGE[kind]] = (o, nw)
         changed.append(c)
+    if scoring:
+        text = score_md(*score(changes, a.a, a.b))
+        print(text, end="")
+        if a.md:
+            open(a.md, "w").write(text)
+        if not (a.out_configs and a.out_cache):
+            return
     json.dump(changed + controls, open(a.out_configs, "w"), indent=1)
     with open(a.out_cache, "w") as f:
         f.write('{"version": 2, "entries": [\n')

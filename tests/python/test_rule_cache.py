@@ -62,3 +62,42 @@ def test_old_picks_of_changed_keys_only(tmp_path):
     assert cache["version"] == 2
     assert [(e["kind"], e["N"], e["K"], e["E"], e["rows_bucket"], e["config"], e["hbm_gbps"]) for e in cache["entries"]] == [
         ("da_dswiglu", 1024, 4096, 64, 9, "da_old", 3352), ("da_dswiglu", 1024, 6144, 32, 9, "da_old", 3352)]
+
+
+def layer_json(path, stages_by_config):
+    """A bench_layer results file: {config name: {stage: ms}}; the other GEMM stages at 1 ms."""
+    res = []
+    for name, st in stages_by_config.items():
+        k = {f"{s}_ms": 1.0 for s in rc.STAGE.values()}
+        k.update({f"{s}_ms": v for s, v in st.items()})
+        k["fwd.routing_ms"] = 0.1  # not a GEMM stage: never scored
+        res.append({"config": {"name": name}, "systems": {"ours": {"fwd_ms": 1.0, "bwd_ms": 2.0}}, "kernels": k})
+    path.write_text(json.dumps({"results": res}))
+    return str(path)
+
+
+def test_score_takes_the_changed_stages_lowest_pass_and_rounds(tmp_path):
+    # Two configs files, two rounds each; "big" changed its dA' pick, "x" nothing.
+    a = [layer_json(tmp_path / "a1.json", {"big": {"bwd.dA_proj": 3.0}}),
+         layer_json(tmp_path / "a2.json", {"big": {"bwd.dA_proj": 2.0}}),
+         layer_json(tmp_path / "ax1.json", {"x": {"fwd.up_proj": 1.1}}),
+         layer_json(tmp_path / "ax2.json", {"x": {}})]
+    b = [layer_json(tmp_path / "b1.json", {"big": {"bwd.dA_proj": 1.5}}),
+         layer_json(tmp_path / "b2.json", {"big": {"bwd.dA_proj": 4.0}}),
+         layer_json(tmp_path / "bx1.json", {"x": {}}),
+         layer_json(tmp_path / "bx2.json", {"x": {"fwd.up_proj": 0.5}})]
+    changes = {"big": {"bwd.dA_proj": ("da_old", "da_new")}}
+    rows, noise = rc.score(changes, a, b)
+    assert len(rows) == 1
+    r = rows[0]
+    assert (r["config"], r["stage"], r["old"], r["new"]) == ("big", "bwd.dA_proj", "da_old", "da_new")
+    assert r["ratio"] == 2.0 / 1.5  # lowest pass per side
+    assert r["rounds"] == [3.0 / 1.5, 2.0 / 4.0]  # each round's own ratio, in order
+    # big's five other GEMM stages and x's six are the noise: x's up-proj is min(1.1, 1.0) / min(1.0, 0.5).
+    assert len(noise) == 11 and sorted(noise)[-1] == 2.0 and noise.count(1.0) == 10
+    # The other order of the same passes (all of one file's rounds first) is the same two rounds.
+    rows2, _ = rc.score(changes, [a[0], a[2], a[1], a[3]], [b[0], b[2], b[1], b[3]])
+    assert rows2 == rows
+    md = rc.score_md(rows, noise)
+    assert "| big | bwd.dA_proj | da_old -> da_new | 2.000 | 1.500 | 1.333 | 2.00 / 0.50 |" in md
+    assert "Changed stages: 1" in md and "Unchanged GEMM stages" in md
