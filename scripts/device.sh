@@ -614,7 +614,11 @@ step_ab() {
       # The next build step (this machine may stay warm) must rebuild what side B changed.
       dry || git apply --numstat "$p" | cut -f3 >>"$BUILD/.ab_patched_files"
     done
-    x cmake --build "$BUILD" -j "$(nproc)" || { unapply; return 1; }
+    # Side B builds what side A's build step did (BUILD_TARGETS, plus test_gpu for AB_TEST_FILTER): a
+    # patch's A/B then rebuilds two binaries, not the whole tree (~60 s of device time).
+    # shellcheck disable=SC2086  # target names, space-separated
+    x cmake --build "$BUILD" -j "$(nproc)" ${BUILD_TARGETS:+--target $BUILD_TARGETS ${AB_TEST_FILTER:+test_gpu}} ||
+      { unapply; return 1; }
     if [ -n "${AB_TEST_FILTER:-}" ]; then
       xt -a "$d/test_b.log" "${TEST_TIMEOUT:-400}" "$BUILD/test_gpu" --gtest_filter="$AB_TEST_FILTER" || rc=1
       dry || grep -E "^\[  (PASSED|FAILED) " "$d/test_b.log"

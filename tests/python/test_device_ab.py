@@ -149,6 +149,20 @@ def test_build_targets_limit_the_build(tmp_path):
     assert len(builds) == 1 and "--target" not in builds[0], r.stdout
 
 
+def test_side_b_builds_the_targets_side_a_built(tmp_path):
+    # A patch's side B rebuilds BUILD_TARGETS (and test_gpu when AB_TEST_FILTER runs it), not the tree.
+    def side_b_build(**env):
+        r = dry_run(tmp_path, "ab", AB_PATCH="docs/wip/one.patch", AB_CONFIGS="smoke_configs", AB_ROUNDS="1", **env)
+        assert r.returncode == 0, r.stdout + r.stderr
+        return [ln for ln in r.stdout.splitlines() if ln.startswith("+ cmake --build")]
+    b = side_b_build(BUILD_TARGETS="bench_layer layer_digest")
+    assert len(b) == 1 and b[0].endswith("--target bench_layer layer_digest"), b
+    b = side_b_build(BUILD_TARGETS="bench_layer layer_digest", AB_TEST_FILTER="GpuEngine.*")
+    assert len(b) == 1 and b[0].endswith("--target bench_layer layer_digest test_gpu"), b
+    b = side_b_build()
+    assert len(b) == 1 and "--target" not in b[0], b
+
+
 def test_a_configs_path_runs_that_file_named_by_its_stem(tmp_path):
     # An AB_CONFIGS entry with a '/' is a configs file anywhere (e.g. docs/wip/<name>.heldout.json),
     # its reports named by the file name; stems keep meaning bench/configs/<stem>.json.
