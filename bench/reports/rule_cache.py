@@ -28,7 +28,8 @@ Scoring an A/B (a patch's, or the cache's) by the stages the change touches:
 round order; `scripts/device.sh ab` writes them as ab/<side>_<set>_<round>.json). Each changed key's
 stage (the KEY_MAP kind's layer stage) gets a / b of the lowest pass per side and of each round; every
 other GEMM stage of the same passes, which ran the same kernel on both sides, is the noise it is read
-against (geomean, 10th and 90th percentile). A whole-layer geomean mixes the few stages a rule moves
+against (geomean, 10th and 90th percentile); --kinds must then name every kind the change can touch
+(the default: all six), or a changed stage of another kind is read as noise. A whole-layer geomean mixes the few stages a rule moves
 with the noise of the rest (bench/results/h100/banded_unpaired_ab.md: changed stages 1.023 against
 unchanged 0.995 where the layer read 0.99-1.00).
 """
@@ -37,6 +38,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -87,11 +89,13 @@ def load_passes(paths):
 
 def merge_rounds(paths):
     """The passes of several configs files, grouped into rounds by position: a path's round is its
-    index among the paths of its own configs file (the same names), so --a x_1 --a y_1 --a x_2 --a y_2
-    and --a x_1 --a x_2 --a y_1 --a y_2 both give two rounds."""
+    index among the paths of its own set, so --a x_1 --a y_1 --a x_2 --a y_2 and --a x_1 --a x_2 --a y_1
+    --a y_2 both give two rounds. A path's set: its file name less a trailing _<round> (device.sh ab's
+    <side>_<set>_<round>.json), else the config names it holds."""
     rounds, seen = [], {}
-    for runs in load_passes(paths):
-        key = tuple(sorted(runs))
+    for path, runs in zip(paths, load_passes(paths)):
+        stem = os.path.splitext(os.path.basename(path))[0]
+        key = re.sub(r"_\d+$", "", stem) if re.search(r"_\d+$", stem) else tuple(sorted(runs))
         i = seen.get(key, 0)
         seen[key] = i + 1
         while len(rounds) <= i:
@@ -216,6 +220,8 @@ def main():
             if len(controls) < a.controls:
                 controls.append(c)
             continue
+        for (kind, _, _, _, _), o, nw in diff:  # scoring: every changed stage, also of a shape dropped below
+            changes.setdefault(c["name"], {})[STAGE[kind]] = (o, nw)
         clash = False
         for (kind, N, Kd, E, rows), o, _ in diff:
             ck = (kind, N, Kd, E, rows_bucket(rows, E))
@@ -230,7 +236,6 @@ def main():
             entries[ck] = {"kind": kind, "N": N, "K": Kd, "E": E, "rows_bucket": ck[4], "halves": False,
                            "sm_count": a.sm_count, "hbm_gbps": a.hbm_gbps, "config": o}
             print(f"{c['name']}: {kind} N={N} K={Kd}: {o} -> {nw}")
-            changes.setdefault(c["name"], {})[STAGE[kind]] = (o, nw)
         changed.append(c)
     if scoring:
         text = score_md(*score(changes, a.a, a.b))

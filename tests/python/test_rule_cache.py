@@ -98,6 +98,18 @@ def test_score_takes_the_changed_stages_lowest_pass_and_rounds(tmp_path):
     # The other order of the same passes (all of one file's rounds first) is the same two rounds.
     rows2, _ = rc.score(changes, [a[0], a[2], a[1], a[3]], [b[0], b[2], b[1], b[3]])
     assert rows2 == rows
+    # device.sh ab's names (<side>_<set>_<round>.json) group by set even where a pass lost a config
+    # (bench_layer records an error for a config it could not run: its names then differ).
+    a_ab = [layer_json(tmp_path / "a_s_1.json", {"big": {"bwd.dA_proj": 3.0}, "y": {}}),
+            layer_json(tmp_path / "a_t_1.json", {"x": {}}),
+            layer_json(tmp_path / "a_s_2.json", {"big": {"bwd.dA_proj": 2.0}}),
+            layer_json(tmp_path / "a_t_2.json", {"x": {}})]
+    b_ab = [layer_json(tmp_path / "b_s_1.json", {"big": {"bwd.dA_proj": 1.5}, "y": {}}),
+            layer_json(tmp_path / "b_t_1.json", {"x": {}}),
+            layer_json(tmp_path / "b_s_2.json", {"big": {"bwd.dA_proj": 4.0}, "y": {}}),
+            layer_json(tmp_path / "b_t_2.json", {"x": {}})]
+    rows3, noise3 = rc.score(changes, a_ab, b_ab)
+    assert rows3 == rows and len(noise3) == 11  # y, missing from one pass of side a, is left out
     md = rc.score_md(rows, noise)
     assert "| big | bwd.dA_proj | da_old -> da_new | 2.000 | 1.500 | 1.333 | 2.00 / 0.50 |" in md
     assert "Changed stages: 1" in md and "Unchanged GEMM stages" in md
