@@ -101,7 +101,8 @@
 #   run(command="SMOE_COMMIT=<hash> scripts/device.sh build pytest digest", carry=[...])
 #   run(command="EP_STEPS='test comm torch train' scripts/device.sh build ep", carry=[...], kind="nvidia-h200-x2")
 #   run(command="SONIC_STAGE=warm scripts/device.sh sonic", carry=[".whl"]), then SONIC_STAGE=run
-#     within ~30 s (the .whl of sonicmoe_env.sh pack holds the CUTLASS headers too).
+#     within ~30 s (the .whl of sonicmoe_env.sh pack holds the CUTLASS headers and GoogleTest's sources
+#     too, so carry=[".whl"] alone also serves `build`: .whl and .deps together exceed the 64 MiB).
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -270,8 +271,11 @@ torch_ext() {  # wait for it (or build it now); its status
 step_build() {
   cutlass_headers || return 1
   local gtest=()
-  if [ -d .deps/googletest ]; then gtest=(-DSMOE_GTEST_SOURCE_DIR="$ROOT/.deps/googletest")
-  else say "no .deps/googletest (carry it on the GPU machine): CMake looks for an installed GoogleTest"; fi
+  # GoogleTest from .whl (sonicmoe_env.sh pack) where a call carries .whl and no room is left for .deps.
+  [ ! -d .deps/googletest ] && [ -f .whl/googletest.tar.xz ] && x tar xJf .whl/googletest.tar.xz
+  if [ -d .deps/googletest ] || { dry && [ -f .whl/googletest.tar.xz ]; }; then
+    gtest=(-DSMOE_GTEST_SOURCE_DIR="$ROOT/.deps/googletest")
+  else say "no .deps/googletest (carry it, or .whl packed with it): CMake looks for an installed GoogleTest"; fi
   torch_ext_wanted && torch_ext_start
   local nvcc t rc=0
   nvcc="$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)"

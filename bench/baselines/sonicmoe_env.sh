@@ -12,7 +12,8 @@
 #   torch-c-dlpack-ext. nvidia-cutlass-dsl-libs-cu13 (78 MB wheel) is a superset of -libs-base
 #   (74 MB, the CUDA 12 build), so only cu13 is taken; its wheel is over the 64 MiB a call carries,
 #   so it travels unpacked and re-compressed with xz (53 MB). The CUTLASS C++ headers our own build
-#   needs travel as an xz tarball too (1 MB instead of 28 MB), leaving room for both in one call.
+#   needs travel as an xz tarball too (1 MB instead of 28 MB), leaving room for both in one call, and so do
+#   GoogleTest's sources (googletest.tar.xz, unpacked by scripts/device.sh's build step).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 W="$ROOT/.whl"
@@ -32,6 +33,11 @@ pack() {
   (cd "$ROOT" && tar cf - ".deps/cutlass-$CUTLASS_PIP_VERSION/cutlass_library/source/include" \
      ".deps/cutlass-$CUTLASS_PIP_VERSION/cutlass_library/source/tools/util/include" \
      | xz -9 -T0 > "$W/cutlass-headers.tar.xz")
+  # GoogleTest's sources (scripts/setup.sh's copy; without googlemock, docs, tests: ~0.2 MB) for the
+  # build step's tests, which a call carrying .whl has no room left to carry as .deps/googletest.
+  (cd "$ROOT" && tar cf - --exclude=.deps/googletest/googlemock --exclude=.deps/googletest/googletest/docs \
+     --exclude=.deps/googletest/googletest/test --exclude=.deps/googletest/googletest/samples .deps/googletest \
+     | xz -9 -T0 > "$W/googletest.tar.xz")
   rm -rf "$tmp"
   du -cb "$W"/* | tail -1
 }

@@ -175,3 +175,35 @@ def test_a_configs_path_runs_that_file_named_by_its_stem(tmp_path):
     assert abs(rep["summary"]["geomean"] - 2.0) < 1e-9
     assert [row["config"] for row in rep["rows"]] == ["h1", "h2"]
     assert (d / "ab_fast_smoke_configs.json").exists()
+
+
+def test_build_unpacks_googletest_from_whl(tmp_path):
+    # A call carrying .whl (SonicMoE's wheels, the CUTLASS headers, GoogleTest's sources) and no .deps:
+    # the build step unpacks GoogleTest and hands it to CMake (stand-in cmake / nvcc record their args).
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    for f in ("device.sh", "versions.env"):
+        (repo / "scripts" / f).write_text((ROOT / "scripts" / f).read_text())
+    src = tmp_path / "src"
+    (src / ".deps/googletest/googletest").mkdir(parents=True)
+    (src / ".deps/googletest/CMakeLists.txt").write_text("# stand-in\n")
+    (repo / ".whl").mkdir()
+    subprocess.run(["tar", "cJf", str(repo / ".whl/googletest.tar.xz"), ".deps/googletest"], cwd=src, check=True)
+    ver = next(ln.split("=", 1)[1].strip().strip('"') for ln in (ROOT / "scripts/versions.env").read_text().splitlines()
+               if ln.startswith("CUTLASS_PIP_VERSION="))
+    inc = repo / f".deps/cutlass-{ver}/cutlass_library/source/include/cutlass"
+    inc.mkdir(parents=True)
+    (inc / "cutlass.h").write_text("")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    log = tmp_path / "cmake.log"
+    write_exe(bin_dir / "cmake", f'#!/usr/bin/env bash\necho "$@" >> "{log}"\n')
+    write_exe(bin_dir / "nvcc", "#!/usr/bin/env bash\n")
+    e = {k: v for k, v in os.environ.items() if k != "BUILD_TARGETS"}
+    e.update(PATH=f"{bin_dir}:{e['PATH']}", OUT=str(tmp_path / "out"), BUILD=str(tmp_path / "build"), SMOE_COMMIT="t")
+    r = subprocess.run(["bash", str(repo / "scripts/device.sh"), "build"], cwd=repo, env=e, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert (repo / ".deps/googletest/CMakeLists.txt").exists()
+    configure = log.read_text().splitlines()[0]
+    assert f"-DSMOE_GTEST_SOURCE_DIR={repo}/.deps/googletest" in configure, configure
