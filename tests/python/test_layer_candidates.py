@@ -1,0 +1,63 @@
+"""bench/reports/layer_candidates.py (CPU): the near-best candidates of a tune log become one forcing
+tune cache per variant (the current pick left out), and the ab step's passes become a per-candidate
+table of stage times in the layer."""
+
+import importlib.util
+import json
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench/reports"))
+spec = importlib.util.spec_from_file_location("layer_candidates", ROOT / "bench/reports/layer_candidates.py")
+lc = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(lc)
+
+# A committed smoe_tune log (H100): DeepSeek-V3.2's up-proj ran up_swiglu<256> 25.711 ms alone against
+# the pick (*) up_swiglu_c2<256> 26.782; its down-proj's pick down_store_pp_c2<192> 12.599 against
+# down_store_c2<256> 12.618; every other candidate of the two is more than 15% slower.
+LOG = ROOT / "bench/results/h100/tune/configs.tune.log"
+
+
+def test_plan_forces_each_near_candidate_but_the_pick(tmp_path):
+    out = tmp_path / "lc"
+
+    def plan(per_key):
+        sys.argv = ["layer_candidates.py", "plan", "--log", str(LOG), "--configs", str(ROOT / "bench/configs/configs.json"),
+                    "--names", "DeepSeek-V3.2", "--kinds", "up_swiglu,down_store", "--within", "1.15",
+                    "--per-key", str(per_key), "--out-dir", str(out)]
+        lc.main()
+        return json.loads((out / "plan.json").read_text())["variants"]
+    # At most --per-key per key, fastest first, then the pick left out: with 1, the down-proj's fastest is
+    # its pick (no variant) and the up-proj's is not.
+    assert [(v["variant"], v["candidate"]) for v in plan(1)] == [("c0_up_swiglu_0", "up_swiglu<256>")]
+    got = plan(3)
+    assert [(v["variant"], v["kind"], v["candidate"], v["pick"], v["isolated_ms"], v["pick_isolated_ms"]) for v in got] == [
+        ("c0_up_swiglu_0", "up_swiglu", "up_swiglu<256>", "up_swiglu_c2<256>", 25.7107, 26.7819),
+        ("c0_down_store_0", "down_store", "down_store_c2<256>", "down_store_pp_c2<192>", 12.6184, 12.599)]
+    cache = json.loads((out / "c0_down_store_0.cache.json").read_text())
+    assert cache["version"] == 2
+    assert cache["entries"] == [{"kind": "down_store", "N": 7168, "K": 2048, "E": 256, "rows_bucket": 10,
+                                 "halves": False, "sm_count": 132, "hbm_gbps": 3352, "config": "down_store_c2<256>"}]
+    assert (out / "variants.txt").read_text().split(";") == [
+        f"{n}:SMOE_ENGINE_TUNE= SMOE_ENGINE_TUNE_CACHE={out}/{n}.cache.json" for n in ("c0_up_swiglu_0", "c0_down_store_0")]
+    assert [c["name"] for c in json.loads((out / "configs.json").read_text())] == ["DeepSeek-V3.2"]
+
+    # report: device.sh ab's per-pass JSONs of side a and each variant, two rounds.
+    ab = tmp_path / "ab"
+    ab.mkdir()
+
+    def write(side, rnd, up_ms):
+        k = {f"{s}_ms": 1.0 for s in lc.STAGE.values()}
+        k["fwd.up_proj_ms"] = up_ms
+        (ab / f"{side}_configs_{rnd}.json").write_text(json.dumps(
+            {"results": [{"config": {"name": "DeepSeek-V3.2"}, "systems": {"ours": {"fwd_ms": 1, "bwd_ms": 2}}, "kernels": k}]}))
+    write("a", 1, 27.0), write("a", 2, 26.0)
+    write("c0_up_swiglu_0", 1, 28.9), write("c0_up_swiglu_0", 2, 51.4)  # faster alone, slower in the layer
+    md = tmp_path / "lc.md"
+    sys.argv = ["layer_candidates.py", "report", "--plan", str(out / "plan.json"), "--ab", str(ab), "--md", str(md)]
+    lc.main()
+    rows = md.read_text().splitlines()
+    assert rows[2] == ("| DeepSeek-V3.2 | fwd.up_proj | up_swiglu<256> | 25.711 | 28.900 | 28.90 / 51.40 | "
+                       "up_swiglu_c2<256> | 26.782 | 26.000 | 0.900 |")
+    assert rows[3].startswith("| DeepSeek-V3.2 | fwd.down_proj | down_store_c2<256> | 12.618 | not run |")  # no passes
