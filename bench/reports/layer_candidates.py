@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Each GEMM's near-best candidates timed inside the layer, one forced pick per variant of one device call.
+"""Each GEMM's near-best candidates timed inside the layer: forced picks as tune caches, one device call.
 
   python3 bench/reports/layer_candidates.py plan --log bench/results/h100/tune/configs.tune.log \
       --configs bench/configs/configs.json --names DeepSeek-V3.2 [--kinds up_swiglu,dx_store] \
@@ -11,15 +11,17 @@
 Why: the tuner ranks candidates by their isolated medians, and on the largest shapes the layer disagrees
 (the H100's DeepSeek-V3.2: `up_swiglu<256>` 4% faster than the pair alone, 11-98% slower in the layer,
 bench/results/h100/banded_unpaired_ab.md; its dA' 1.16-1.7x its isolated time, layer_vs_isolated.md).
-`plan` takes, for each named config and GEMM kind, the key's candidates from a smoe_tune log within
---within of the isolated best (at most --per-key, fastest first), leaves out the current pick (--bin: this
-build's smoe_heuristic; else the log's `*`), and writes one tune cache per remaining candidate that
-forces it for that key alone (every other key runs the heuristic), the configs file, and `variants.txt`
-(device.sh ab's AB_VARIANTS: side B's runs read their cache, SMOE_ENGINE_TUNE= measures nothing).
-Side A is the heuristic. AB_DIGEST=0: another tile may round differently, so the digests are not
-compared. `report` reads the ab step's per-pass JSONs and lists, per key, each candidate's stage time in
-the layer (lowest pass, and per round) beside the heuristic's and the isolated medians; the ab step's own
-reports give the whole passes.
+`plan` takes, for each GEMM key of the named configs, its candidates from smoe_tune logs within --within
+of the isolated best (at most --per-key, fastest first) less the current pick (--bin: this build's
+smoe_heuristic; else the log's `*`), and writes tune caches: variant j forces the j-th alternative of
+every key (keys without one run the heuristic), so a few variants cover every config; bench_layer times
+each stage on its own. Also the configs file and `variants.txt` (device.sh ab's AB_VARIANTS: side B's
+runs read their cache, SMOE_ENGINE_TUNE= measures nothing). --out-dir must lie inside the tree (the
+device call copies it; .devrun/ is neither tracked nor ignored). Side A is the heuristic. AB_DIGEST=0: another tile may round differently, so the digests are not
+compared. `report` reads the ab step's per-pass JSONs and lists, per forced pick and each config that
+runs it, the candidate's stage time in the layer (lowest pass, and per round) beside the pick's and the
+isolated medians; the ab step's own reports give the whole passes. The H100's 41 tuned shapes at
+--within 1.05 --per-key 2: 2 variants forcing 235 picks.
 """
 
 import argparse
@@ -43,11 +45,6 @@ def log_keys(paths):
     return out
 
 
-def variant_name(cfg_index, kind, i):
-    """device.sh ab's variant names: letters, digits, _ and - (not the label's <>)."""
-    return f"c{cfg_index}_{kind}_{i}"
-
-
 def plan(args):
     logged = log_keys(args.log)
     cfgs = [c for f in args.configs for c in json.load(open(f))]
@@ -60,47 +57,57 @@ def plan(args):
         if k not in KEY_MAP:
             sys.exit(f"--kinds: {k} is not one of {','.join(KEY_MAP)}")
     chosen = [c for c in cfgs if c["name"] in names]
-    os.makedirs(args.out_dir, exist_ok=True)
-    variants, entries = [], []
-    for ci, c in enumerate(chosen):
-        keys = layer_keys(c, kinds)
-        recs = []
-        for kind, N, Kd, E, rows in keys:
-            rec = logged.get((kind, N, Kd, E, rows_bucket(rows, E)))
+    # The cache keys of the chosen configs' GEMMs (a key two configs share is one key: one forced pick).
+    keys = {}
+    for c in chosen:
+        for kind, N, Kd, E, rows in layer_keys(c, kinds):
+            ck = (kind, N, Kd, E, rows_bucket(rows, E))
+            rec = logged.get(ck)
             if rec is None:
                 print(f"{c['name']}: {kind} N={N} K={Kd} E={E} not in the logs; skipped")
-            recs.append(rec)
-        picks = [None] * len(keys)
-        if args.bin:
-            ask = [dict(kind=k, N=N, K=Kd, E=E, rows=rows, halves=0, sms=args.sm_count, hbm_gbps=r["hbm_gbps"])
-                   for (k, N, Kd, E, rows), r in zip(keys, recs) if r is not None]
-            got = iter(heuristic_picks(args.bin, ask))
-            picks = [next(got) if r is not None else None for r in recs]
-        for (kind, N, Kd, E, rows), rec, pick in zip(keys, recs, picks):
-            if rec is None:
                 continue
-            pick = pick or rec["logged"]
-            timed = sorted((ms, lab) for lab, ms in rec["cands"].items() if ms == ms and ms != float("inf"))
-            best = timed[0][0]
-            near = [(ms, lab) for ms, lab in timed if ms <= args.within * best][:args.per_key]
-            for i, (ms, lab) in enumerate([x for x in near if x[1] != pick]):
-                name = variant_name(ci, kind, i)
-                path = os.path.join(args.out_dir, f"{name}.cache.json")
-                entry = {"kind": kind, "N": N, "K": Kd, "E": E, "rows_bucket": rows_bucket(rows, E), "halves": False,
-                         "sm_count": rec["sms"], "hbm_gbps": rec["hbm_gbps"], "config": lab}
-                with open(path, "w") as f:
-                    f.write('{"version": 2, "entries": [\n  ' + json.dumps(entry) + "\n]}\n")
-                variants.append(f"{name}:SMOE_ENGINE_TUNE= SMOE_ENGINE_TUNE_CACHE={path}")
-                entries.append(dict(variant=name, config=c["name"], kind=kind, stage=STAGE[kind], N=N, K=Kd, E=E,
-                                    candidate=lab, isolated_ms=ms, pick=pick,
-                                    pick_isolated_ms=rec["cands"].get(pick), cache=path))
-                print(f"{name}: {c['name']} {kind} N={N} K={Kd}: {lab} ({ms:.3f} ms alone; the pick {pick} "
-                      f"{rec['cands'].get(pick, float('nan')):.3f})")
+            keys.setdefault(ck, dict(rec=rec, rows=rows, uses=[]))["uses"].append([c["name"], STAGE[kind]])
+    order = list(keys)
+    picks = [keys[ck]["rec"]["logged"] for ck in order]
+    if args.bin:
+        picks = heuristic_picks(args.bin, [dict(kind=ck[0], N=ck[1], K=ck[2], E=ck[3], rows=keys[ck]["rows"], halves=0,
+                                                sms=args.sm_count, hbm_gbps=keys[ck]["rec"]["hbm_gbps"]) for ck in order])
+    # Variant j forces every key's j-th alternative: its candidates within --within of the isolated best
+    # (at most --per-key, fastest first) less the pick. bench_layer times each stage on its own, so one
+    # pass measures one alternative of every GEMM; that a forced stage may leave another L2 state to the
+    # next stage is the caveat.
+    variants = []
+    for ck, pick in zip(order, picks):
+        rec = keys[ck]["rec"]
+        timed = sorted((ms, lab) for lab, ms in rec["cands"].items() if ms == ms and ms != float("inf"))
+        near = [(ms, lab) for ms, lab in timed if ms <= args.within * timed[0][0]][:args.per_key]
+        for j, (ms, lab) in enumerate([x for x in near if x[1] != pick]):
+            while len(variants) <= j:
+                variants.append([])
+            variants[j].append(dict(kind=ck[0], N=ck[1], K=ck[2], E=ck[3], rows_bucket=ck[4], candidate=lab,
+                                    isolated_ms=ms, pick=pick, pick_isolated_ms=rec["cands"].get(pick),
+                                    sm_count=rec["sms"], hbm_gbps=rec["hbm_gbps"], uses=keys[ck]["uses"]))
+            print(f"v{j}: {ck[0]} N={ck[1]} K={ck[2]} E={ck[3]}: {lab} ({ms:.3f} ms alone; the pick {pick} "
+                  f"{rec['cands'].get(pick, float('nan')):.3f}) in {', '.join(u[0] for u in keys[ck]['uses'])}")
+    os.makedirs(args.out_dir, exist_ok=True)
+    ab_variants, doc = [], []
+    for j, entries in enumerate(variants):
+        path = os.path.join(args.out_dir, f"v{j}.cache.json")
+        with open(path, "w") as f:
+            f.write('{"version": 2, "entries": [\n')
+            f.write(",\n".join("  " + json.dumps({"kind": e["kind"], "N": e["N"], "K": e["K"], "E": e["E"],
+                                                   "rows_bucket": e["rows_bucket"], "halves": False,
+                                                   "sm_count": e["sm_count"], "hbm_gbps": e["hbm_gbps"],
+                                                   "config": e["candidate"]}) for e in entries))
+            f.write("\n]}\n")
+        ab_variants.append(f"v{j}:SMOE_ENGINE_TUNE= SMOE_ENGINE_TUNE_CACHE={path}")
+        doc.append(dict(variant=f"v{j}", cache=path, entries=entries))
     json.dump(chosen, open(os.path.join(args.out_dir, "configs.json"), "w"), indent=1)
-    json.dump({"log": args.log, "within": args.within, "per_key": args.per_key, "variants": entries},
+    json.dump({"log": args.log, "within": args.within, "per_key": args.per_key, "variants": doc},
               open(os.path.join(args.out_dir, "plan.json"), "w"), indent=1)
-    open(os.path.join(args.out_dir, "variants.txt"), "w").write(";".join(variants))
-    print(f"{len(variants)} variants over {len(chosen)} configs -> {args.out_dir}/variants.txt")
+    open(os.path.join(args.out_dir, "variants.txt"), "w").write(";".join(ab_variants))
+    print(f"{len(variants)} variants forcing {sum(map(len, variants))} picks over {len(chosen)} configs -> "
+          f"{args.out_dir}/variants.txt")
 
 
 def passes(ab_dir, side, stem):
@@ -119,20 +126,21 @@ def report(args):
     a = merge_rounds(passes(args.ab, "a", stem))
     if not a:
         sys.exit(f"--ab: no a_{stem}_<round>.json in {args.ab}")
-    lines = ["| config | stage | candidate | alone ms | layer ms | per round | the pick | its alone ms | its layer ms |"
-             " pick / candidate in the layer |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| config | stage | variant | candidate | alone ms | layer ms | per round | the pick | its alone ms |"
+             " its layer ms | pick / candidate in the layer |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for v in p["variants"]:
         b = merge_rounds(passes(args.ab, v["variant"], stem))
-        if len(b) != len(a) or any(v["config"] not in r for r in a + b):
-            lines.append(f"| {v['config']} | {v['stage']} | {v['candidate']} | {v['isolated_ms']:.3f} | not run | | "
-                         f"{v['pick']} | | | |")
-            continue
-        ta = [r[v["config"]][v["stage"]] for r in a]
-        tb = [r[v["config"]][v["stage"]] for r in b]
-        alone = "unmeasured" if v["pick_isolated_ms"] is None else f"{v['pick_isolated_ms']:.3f}"
-        lines.append(f"| {v['config']} | {v['stage']} | {v['candidate']} | {v['isolated_ms']:.3f} | {min(tb):.3f} | "
-                     f"{' / '.join(f'{x:.2f}' for x in tb)} | {v['pick']} | {alone} | {min(ta):.3f} | "
-                     f"{min(ta) / min(tb):.3f} |")
+        for e in v["entries"]:
+            for cfg, stage in e["uses"]:
+                head = f"| {cfg} | {stage} | {v['variant']} | {e['candidate']} | {e['isolated_ms']:.3f} |"
+                if len(b) != len(a) or any(cfg not in r for r in a + b):
+                    lines.append(f"{head} not run | | {e['pick']} | | | |")
+                    continue
+                ta = [r[cfg][stage] for r in a]
+                tb = [r[cfg][stage] for r in b]
+                alone = "unmeasured" if e["pick_isolated_ms"] is None else f"{e['pick_isolated_ms']:.3f}"
+                lines.append(f"{head} {min(tb):.3f} | {' / '.join(f'{x:.2f}' for x in tb)} | {e['pick']} | {alone} | "
+                             f"{min(ta):.3f} | {min(ta) / min(tb):.3f} |")
     text = "\n".join(lines) + "\n"
     print(text, end="")
     if args.md:

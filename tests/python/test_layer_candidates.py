@@ -29,18 +29,26 @@ def test_plan_forces_each_near_candidate_but_the_pick(tmp_path):
         lc.main()
         return json.loads((out / "plan.json").read_text())["variants"]
     # At most --per-key per key, fastest first, then the pick left out: with 1, the down-proj's fastest is
-    # its pick (no variant) and the up-proj's is not.
-    assert [(v["variant"], v["candidate"]) for v in plan(1)] == [("c0_up_swiglu_0", "up_swiglu<256>")]
-    got = plan(3)
-    assert [(v["variant"], v["kind"], v["candidate"], v["pick"], v["isolated_ms"], v["pick_isolated_ms"]) for v in got] == [
-        ("c0_up_swiglu_0", "up_swiglu", "up_swiglu<256>", "up_swiglu_c2<256>", 25.7107, 26.7819),
-        ("c0_down_store_0", "down_store", "down_store_c2<256>", "down_store_pp_c2<192>", 12.6184, 12.599)]
-    cache = json.loads((out / "c0_down_store_0.cache.json").read_text())
+    # its pick (no alternative) and the up-proj's is not.
+    v = plan(1)
+    assert [(x["variant"], [(e["kind"], e["candidate"]) for e in x["entries"]]) for x in v] == [
+        ("v0", [("up_swiglu", "up_swiglu<256>")])]
+    # With 3: variant 0 forces the first alternative of both keys (each stage is timed on its own).
+    v = plan(3)
+    assert len(v) == 1
+    assert [(e["kind"], e["candidate"], e["pick"], e["isolated_ms"], e["pick_isolated_ms"], e["uses"])
+            for e in v[0]["entries"]] == [
+        ("up_swiglu", "up_swiglu<256>", "up_swiglu_c2<256>", 25.7107, 26.7819, [["DeepSeek-V3.2", "fwd.up_proj"]]),
+        ("down_store", "down_store_c2<256>", "down_store_pp_c2<192>", 12.6184, 12.599,
+         [["DeepSeek-V3.2", "fwd.down_proj"]])]
+    cache = json.loads((out / "v0.cache.json").read_text())
     assert cache["version"] == 2
-    assert cache["entries"] == [{"kind": "down_store", "N": 7168, "K": 2048, "E": 256, "rows_bucket": 10,
-                                 "halves": False, "sm_count": 132, "hbm_gbps": 3352, "config": "down_store_c2<256>"}]
-    assert (out / "variants.txt").read_text().split(";") == [
-        f"{n}:SMOE_ENGINE_TUNE= SMOE_ENGINE_TUNE_CACHE={out}/{n}.cache.json" for n in ("c0_up_swiglu_0", "c0_down_store_0")]
+    assert cache["entries"] == [
+        {"kind": "up_swiglu", "N": 4096, "K": 7168, "E": 256, "rows_bucket": 10, "halves": False, "sm_count": 132,
+         "hbm_gbps": 3352, "config": "up_swiglu<256>"},
+        {"kind": "down_store", "N": 7168, "K": 2048, "E": 256, "rows_bucket": 10, "halves": False, "sm_count": 132,
+         "hbm_gbps": 3352, "config": "down_store_c2<256>"}]
+    assert (out / "variants.txt").read_text() == f"v0:SMOE_ENGINE_TUNE= SMOE_ENGINE_TUNE_CACHE={out}/v0.cache.json"
     assert [c["name"] for c in json.loads((out / "configs.json").read_text())] == ["DeepSeek-V3.2"]
 
     # report: device.sh ab's per-pass JSONs of side a and each variant, two rounds.
@@ -53,11 +61,20 @@ def test_plan_forces_each_near_candidate_but_the_pick(tmp_path):
         (ab / f"{side}_configs_{rnd}.json").write_text(json.dumps(
             {"results": [{"config": {"name": "DeepSeek-V3.2"}, "systems": {"ours": {"fwd_ms": 1, "bwd_ms": 2}}, "kernels": k}]}))
     write("a", 1, 27.0), write("a", 2, 26.0)
-    write("c0_up_swiglu_0", 1, 28.9), write("c0_up_swiglu_0", 2, 51.4)  # faster alone, slower in the layer
+    write("v0", 1, 28.9), write("v0", 2, 51.4)  # faster alone, slower in the layer
     md = tmp_path / "lc.md"
     sys.argv = ["layer_candidates.py", "report", "--plan", str(out / "plan.json"), "--ab", str(ab), "--md", str(md)]
     lc.main()
     rows = md.read_text().splitlines()
-    assert rows[2] == ("| DeepSeek-V3.2 | fwd.up_proj | up_swiglu<256> | 25.711 | 28.900 | 28.90 / 51.40 | "
+    assert rows[2] == ("| DeepSeek-V3.2 | fwd.up_proj | v0 | up_swiglu<256> | 25.711 | 28.900 | 28.90 / 51.40 | "
                        "up_swiglu_c2<256> | 26.782 | 26.000 | 0.900 |")
-    assert rows[3].startswith("| DeepSeek-V3.2 | fwd.down_proj | down_store_c2<256> | 12.618 | not run |")  # no passes
+    # The down-proj's stage is 1.0 ms on both sides here: ratio 1.
+    assert rows[3].startswith("| DeepSeek-V3.2 | fwd.down_proj | v0 | down_store_c2<256> | 12.618 | 1.000 |")
+    assert rows[3].endswith("| 1.000 | 1.000 |")
+    # A variant without passes is listed as not run.
+    plan_doc = json.loads((out / "plan.json").read_text())
+    plan_doc["variants"][0]["variant"] = "v9"
+    (out / "plan9.json").write_text(json.dumps(plan_doc))
+    sys.argv = ["layer_candidates.py", "report", "--plan", str(out / "plan9.json"), "--ab", str(ab), "--md", str(md)]
+    lc.main()
+    assert "| v9 | up_swiglu<256> | 25.711 | not run |" in md.read_text()
