@@ -272,7 +272,9 @@ step_build() {
   cutlass_headers || return 1
   local gtest=()
   # GoogleTest from .whl (sonicmoe_env.sh pack) where a call carries .whl and no room is left for .deps.
-  [ ! -d .deps/googletest ] && [ -f .whl/googletest.tar.xz ] && x tar xJf .whl/googletest.tar.xz
+  if [ ! -d .deps/googletest ] && [ -f .whl/googletest.tar.xz ]; then
+    x tar xJf .whl/googletest.tar.xz || { say ".whl/googletest.tar.xz: unpack failed"; rm -rf .deps/googletest; }
+  fi
   if [ -d .deps/googletest ] || { dry && [ -f .whl/googletest.tar.xz ]; }; then
     gtest=(-DSMOE_GTEST_SOURCE_DIR="$ROOT/.deps/googletest")
   else say "no .deps/googletest (carry it, or .whl packed with it): CMake looks for an installed GoogleTest"; fi
@@ -618,11 +620,16 @@ step_ab() {
       # The next build step (this machine may stay warm) must rebuild what side B changed.
       dry || git apply --numstat "$p" | cut -f3 >>"$BUILD/.ab_patched_files"
     done
-    # Side B builds what side A's build step did (BUILD_TARGETS, plus test_gpu for AB_TEST_FILTER): a
-    # patch's A/B then rebuilds two binaries, not the whole tree (~60 s of device time).
-    # shellcheck disable=SC2086  # target names, space-separated
-    x cmake --build "$BUILD" -j "$(nproc)" ${BUILD_TARGETS:+--target $BUILD_TARGETS ${AB_TEST_FILTER:+test_gpu}} ||
-      { unapply; return 1; }
+    # Side B builds what side A's build step did (BUILD_TARGETS) and always what the A/B runs of it
+    # (bench_layer, layer_digest when compared, test_gpu for AB_TEST_FILTER): a patch's A/B then rebuilds
+    # a few binaries, not the whole tree (~60 s of device time), and never runs a stale side B.
+    local b_targets=()
+    [ -n "${BUILD_TARGETS:-}" ] && read -r -a b_targets <<<"$BUILD_TARGETS"
+    add_target() { [ ${#b_targets[@]} -gt 0 ] && [[ " ${b_targets[*]} " != *" $1 "* ]] && b_targets+=("$1"); }
+    add_target bench_layer
+    [ "$digest" = 1 ] && add_target layer_digest
+    [ -n "${AB_TEST_FILTER:-}" ] && add_target test_gpu
+    x cmake --build "$BUILD" -j "$(nproc)" ${b_targets[@]+--target "${b_targets[@]}"} || { unapply; return 1; }
     if [ -n "${AB_TEST_FILTER:-}" ]; then
       xt -a "$d/test_b.log" "${TEST_TIMEOUT:-400}" "$BUILD/test_gpu" --gtest_filter="$AB_TEST_FILTER" || rc=1
       dry || grep -E "^\[  (PASSED|FAILED) " "$d/test_b.log"

@@ -35,13 +35,23 @@ from heuristic_fit import heuristic_picks, parse_log  # noqa: E402  (the tune lo
 from rule_cache import KEY_MAP, STAGE, layer_keys, merge_rounds, rows_bucket  # noqa: E402  (the layer's keys)
 
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
 def log_keys(paths):
-    """{(kind, N, K, E, rows bucket): record} of the logs' interleaved (halves = 0) keys."""
-    out = {}
+    """{(kind, N, K, E, rows bucket): record} of the logs' interleaved (halves = 0) keys, all of one device
+    (a cache entry names the device's SMs and bandwidth, and the engine skips an entry of another)."""
+    out, device = {}, None
     for p in paths:
         for k in parse_log(p):
-            if k["halves"] == 0:
-                out[(k["kind"], k["N"], k["K"], k["E"], rows_bucket(k["rows"], k["E"]))] = k
+            if k["halves"] != 0:
+                continue
+            if device is None:
+                device = (k["sms"], k["hbm_gbps"])
+            elif (k["sms"], k["hbm_gbps"]) != device:
+                sys.exit(f"--log {p}: sm_count={k['sms']} hbm_gbps={k['hbm_gbps']}, the other logs {device}: "
+                         "one device's logs at a time")
+            out[(k["kind"], k["N"], k["K"], k["E"], rows_bucket(k["rows"], k["E"]))] = k
     return out
 
 
@@ -57,6 +67,12 @@ def plan(args):
         if k not in KEY_MAP:
             sys.exit(f"--kinds: {k} is not one of {','.join(KEY_MAP)}")
     chosen = [c for c in cfgs if c["name"] in names]
+    # The caches' paths go into AB_VARIANTS relative to the tree's root, where the device call runs (an
+    # absolute path, or one outside the tree, names no file there: the engine would read an empty cache and
+    # run the heuristic, and the report would give the pick's time as the candidate's).
+    rel = os.path.relpath(os.path.abspath(args.out_dir), ROOT)
+    if rel.startswith(".."):
+        sys.exit(f"--out-dir {args.out_dir}: must lie inside the tree ({ROOT})")
     # The cache keys of the chosen configs' GEMMs (a key two configs share is one key: one forced pick).
     keys = {}
     for c in chosen:
@@ -66,12 +82,23 @@ def plan(args):
             if rec is None:
                 print(f"{c['name']}: {kind} N={N} K={Kd} E={E} not in the logs; skipped")
                 continue
-            keys.setdefault(ck, dict(rec=rec, rows=rows, uses=[]))["uses"].append([c["name"], STAGE[kind]])
+            keys.setdefault(ck, dict(rec=rec, uses=[]))["uses"].append([c["name"], STAGE[kind], rows])
     order = list(keys)
     picks = [keys[ck]["rec"]["logged"] for ck in order]
     if args.bin:
-        picks = heuristic_picks(args.bin, [dict(kind=ck[0], N=ck[1], K=ck[2], E=ck[3], rows=keys[ck]["rows"], halves=0,
-                                                sms=args.sm_count, hbm_gbps=keys[ck]["rec"]["hbm_gbps"]) for ck in order])
+        # The heuristic sees the exact rows; the cache key only their bucket: every use is asked, and a key
+        # whose uses get different picks is reported (its alternatives leave out the first use's pick).
+        asks = [(ck, u) for ck in order for u in keys[ck]["uses"]]
+        got = heuristic_picks(args.bin, [dict(kind=ck[0], N=ck[1], K=ck[2], E=ck[3], rows=u[2], halves=0,
+                                              sms=keys[ck]["rec"]["sms"], hbm_gbps=keys[ck]["rec"]["hbm_gbps"])
+                                         for ck, u in asks])
+        per_key = {}
+        for (ck, u), pick in zip(asks, got):
+            per_key.setdefault(ck, []).append((u[0], pick))
+        for ck, ps in per_key.items():
+            if len({p for _, p in ps}) > 1:
+                print(f"{ck[0]} N={ck[1]} K={ck[2]} E={ck[3]}: the heuristic picks differ between its uses: {ps}")
+        picks = [per_key[ck][0][1] for ck in order]
     # Variant j forces every key's j-th alternative: its candidates within --within of the isolated best
     # (at most --per-key, fastest first) less the pick. bench_layer times each stage on its own, so one
     # pass measures one alternative of every GEMM; that a forced stage may leave another L2 state to the
@@ -86,14 +113,15 @@ def plan(args):
                 variants.append([])
             variants[j].append(dict(kind=ck[0], N=ck[1], K=ck[2], E=ck[3], rows_bucket=ck[4], candidate=lab,
                                     isolated_ms=ms, pick=pick, pick_isolated_ms=rec["cands"].get(pick),
-                                    sm_count=rec["sms"], hbm_gbps=rec["hbm_gbps"], uses=keys[ck]["uses"]))
+                                    sm_count=rec["sms"], hbm_gbps=rec["hbm_gbps"],
+                                    uses=[u[:2] for u in keys[ck]["uses"]]))
             print(f"v{j}: {ck[0]} N={ck[1]} K={ck[2]} E={ck[3]}: {lab} ({ms:.3f} ms alone; the pick {pick} "
                   f"{rec['cands'].get(pick, float('nan')):.3f}) in {', '.join(u[0] for u in keys[ck]['uses'])}")
-    os.makedirs(args.out_dir, exist_ok=True)
+    os.makedirs(os.path.join(ROOT, rel), exist_ok=True)
     ab_variants, doc = [], []
     for j, entries in enumerate(variants):
-        path = os.path.join(args.out_dir, f"v{j}.cache.json")
-        with open(path, "w") as f:
+        path = os.path.join(rel, f"v{j}.cache.json")
+        with open(os.path.join(ROOT, path), "w") as f:
             f.write('{"version": 2, "entries": [\n')
             f.write(",\n".join("  " + json.dumps({"kind": e["kind"], "N": e["N"], "K": e["K"], "E": e["E"],
                                                    "rows_bucket": e["rows_bucket"], "halves": False,
@@ -158,7 +186,6 @@ def main():
     pl.add_argument("--within", type=float, default=1.15, help="candidates up to this x the isolated best")
     pl.add_argument("--per-key", type=int, default=3, help="at most this many candidates per key, fastest first")
     pl.add_argument("--bin", help="this build's smoe_heuristic (the pick side A runs); default: the log's *")
-    pl.add_argument("--sm-count", type=int, default=132)
     pl.add_argument("--out-dir", required=True)
     rp = sub.add_parser("report")
     rp.add_argument("--plan", required=True)

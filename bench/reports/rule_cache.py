@@ -29,7 +29,10 @@ round order; `scripts/device.sh ab` writes them as ab/<side>_<set>_<round>.json)
 stage (the KEY_MAP kind's layer stage) gets a / b of the lowest pass per side and of each round; every
 other GEMM stage of the same passes, which ran the same kernel on both sides, is the noise it is read
 against (geomean, 10th and 90th percentile); --kinds must then name every kind the change can touch
-(the default: all six), or a changed stage of another kind is read as noise. A whole-layer geomean mixes the few stages a rule moves
+(the default: all six), or a changed stage of another kind is read as noise. It scores a patch's A/B
+(each side runs its own heuristic); for the cache A/B above, a shape that shares a cached key with a
+changed one but was not itself changed also runs the cached pick on side A (its own old pick is the same
+where the rows bucket decides the pick, as in every configs file so far). A whole-layer geomean mixes the few stages a rule moves
 with the noise of the rest (bench/results/h100/banded_unpaired_ab.md: changed stages 1.023 against
 unchanged 0.995 where the layer read 0.99-1.00).
 """
@@ -95,8 +98,9 @@ def merge_rounds(paths):
     rounds, seen = [], {}
     for path, runs in zip(paths, load_passes(paths)):
         stem = os.path.splitext(os.path.basename(path))[0]
-        key = re.sub(r"_\d+$", "", stem) if re.search(r"_\d+$", stem) else tuple(sorted(runs))
-        i = seen.get(key, 0)
+        m = re.search(r"_(\d+)$", stem)
+        key = stem[:m.start()] if m else tuple(sorted(runs))
+        i = int(m.group(1)) - 1 if m else seen.get(key, 0)  # a numbered pass keeps its round (a glob sorts 10 < 2)
         seen[key] = i + 1
         while len(rounds) <= i:
             rounds.append({})
@@ -104,16 +108,22 @@ def merge_rounds(paths):
     return rounds
 
 
-def score(changes, a_paths, b_paths):
-    """changes: {config name: {stage: (old pick, new pick)}}. Rows of the changed stages and the noise
-    of the unchanged GEMM stages, from the two sides' passes."""
+def score(changes, a_paths, b_paths, names=None):
+    """changes: {config name: {stage: (old pick, new pick)}}; names: the configs the picks were asked for
+    (default: those of changes); the passes' other configs are left out, not read as noise. Rows of the
+    changed stages and the noise of the unchanged GEMM stages, from the two sides' passes."""
     A, B = merge_rounds(a_paths), merge_rounds(b_paths)
     if len(A) != len(B):
         raise SystemExit(f"--a has {len(A)} rounds, --b {len(B)}")
+    names = set(changes) if names is None else set(names)
+    ran = [n for n in A[0] if n in names and all(n in side[i] for side in (A, B) for i in range(len(A)))]
+    for n in sorted(names - set(ran)):
+        print(f"score: {n} is not in every pass of both sides; left out" + (" (it changed)" if n in changes else ""))
+    outside = sorted({n for side in (A, B) for r in side for n in r} - names)
+    if outside:
+        print(f"score: {len(outside)} configs of the passes are not in --configs; left out")
     rows, noise = [], []
-    for name in A[0]:
-        if any(name not in side[i] for side in (A, B) for i in range(len(A))):
-            continue
+    for name in ran:
         for stage in STAGE.values():
             a = [A[i][name][stage] for i in range(len(A))]
             b = [B[i][name][stage] for i in range(len(B))]
@@ -129,7 +139,7 @@ def score(changes, a_paths, b_paths):
 
 def score_md(rows, noise):
     noise = sorted(noise)
-    pct = lambda q: noise[min(len(noise) - 1, int(q * len(noise)))] if noise else float("nan")  # noqa: E731
+    pct = lambda q: noise[round(q * (len(noise) - 1))] if noise else float("nan")  # noqa: E731  (nearest rank)
     out = ["| config | stage | a pick -> b pick | a ms | b ms | a / b | per round |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         out.append(f"| {r['config']} | {r['stage']} | {r['old']} -> {r['new']} | {r['a_ms']:.3f} | {r['b_ms']:.3f} | "
@@ -238,7 +248,7 @@ def main():
             print(f"{c['name']}: {kind} N={N} K={Kd}: {o} -> {nw}")
         changed.append(c)
     if scoring:
-        text = score_md(*score(changes, a.a, a.b))
+        text = score_md(*score(changes, a.a, a.b, [c["name"] for c in cfgs]))
         print(text, end="")
         if a.md:
             open(a.md, "w").write(text)

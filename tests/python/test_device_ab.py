@@ -159,6 +159,11 @@ def test_side_b_builds_the_targets_side_a_built(tmp_path):
     assert len(b) == 1 and b[0].endswith("--target bench_layer layer_digest"), b
     b = side_b_build(BUILD_TARGETS="bench_layer layer_digest", AB_TEST_FILTER="GpuEngine.*")
     assert len(b) == 1 and b[0].endswith("--target bench_layer layer_digest test_gpu"), b
+    # What the A/B runs of side B is built even where BUILD_TARGETS leaves it out (never a stale side B).
+    b = side_b_build(BUILD_TARGETS="smoe_tune")
+    assert len(b) == 1 and b[0].endswith("--target smoe_tune bench_layer layer_digest"), b
+    b = side_b_build(BUILD_TARGETS="smoe_tune", AB_DIGEST="0")
+    assert len(b) == 1 and b[0].endswith("--target smoe_tune bench_layer"), b
     b = side_b_build()
     assert len(b) == 1 and "--target" not in b[0], b
 

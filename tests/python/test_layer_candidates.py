@@ -5,7 +5,11 @@ table of stage times in the layer."""
 import importlib.util
 import json
 import pathlib
+import shutil
 import sys
+import tempfile
+
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench/reports"))
@@ -19,8 +23,24 @@ spec.loader.exec_module(lc)
 LOG = ROOT / "bench/results/h100/tune/configs.tune.log"
 
 
-def test_plan_forces_each_near_candidate_but_the_pick(tmp_path):
-    out = tmp_path / "lc"
+@pytest.fixture
+def out_in_tree():
+    """plan's --out-dir must lie inside the tree (its paths go to the device relative to the root)."""
+    d = pathlib.Path(tempfile.mkdtemp(prefix=".test_layer_candidates_", dir=ROOT))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def test_plan_refuses_an_out_dir_outside_the_tree(tmp_path):
+    sys.argv = ["layer_candidates.py", "plan", "--log", str(LOG), "--configs", str(ROOT / "bench/configs/configs.json"),
+                "--names", "DeepSeek-V3.2", "--out-dir", str(tmp_path / "lc")]
+    with pytest.raises(SystemExit, match="must lie inside the tree"):
+        lc.main()
+
+
+def test_plan_forces_each_near_candidate_but_the_pick(tmp_path, out_in_tree):
+    out = out_in_tree
+    rel = out.relative_to(ROOT)
 
     def plan(per_key):
         sys.argv = ["layer_candidates.py", "plan", "--log", str(LOG), "--configs", str(ROOT / "bench/configs/configs.json"),
@@ -48,7 +68,7 @@ def test_plan_forces_each_near_candidate_but_the_pick(tmp_path):
          "hbm_gbps": 3352, "config": "up_swiglu<256>"},
         {"kind": "down_store", "N": 7168, "K": 2048, "E": 256, "rows_bucket": 10, "halves": False, "sm_count": 132,
          "hbm_gbps": 3352, "config": "down_store_c2<256>"}]
-    assert (out / "variants.txt").read_text() == f"v0:SMOE_ENGINE_TUNE= SMOE_ENGINE_TUNE_CACHE={out}/v0.cache.json"
+    assert (out / "variants.txt").read_text() == f"v0:SMOE_ENGINE_TUNE= SMOE_ENGINE_TUNE_CACHE={rel}/v0.cache.json"
     assert [c["name"] for c in json.loads((out / "configs.json").read_text())] == ["DeepSeek-V3.2"]
 
     # report: device.sh ab's per-pass JSONs of side a and each variant, two rounds.

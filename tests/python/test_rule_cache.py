@@ -87,7 +87,7 @@ def test_score_takes_the_changed_stages_lowest_pass_and_rounds(tmp_path):
          layer_json(tmp_path / "bx1.json", {"x": {}}),
          layer_json(tmp_path / "bx2.json", {"x": {"fwd.up_proj": 0.5}})]
     changes = {"big": {"bwd.dA_proj": ("da_old", "da_new")}}
-    rows, noise = rc.score(changes, a, b)
+    rows, noise = rc.score(changes, a, b, ["big", "x"])
     assert len(rows) == 1
     r = rows[0]
     assert (r["config"], r["stage"], r["old"], r["new"]) == ("big", "bwd.dA_proj", "da_old", "da_new")
@@ -96,7 +96,7 @@ def test_score_takes_the_changed_stages_lowest_pass_and_rounds(tmp_path):
     # big's five other GEMM stages and x's six are the noise: x's up-proj is min(1.1, 1.0) / min(1.0, 0.5).
     assert len(noise) == 11 and sorted(noise)[-1] == 2.0 and noise.count(1.0) == 10
     # The other order of the same passes (all of one file's rounds first) is the same two rounds.
-    rows2, _ = rc.score(changes, [a[0], a[2], a[1], a[3]], [b[0], b[2], b[1], b[3]])
+    rows2, _ = rc.score(changes, [a[0], a[2], a[1], a[3]], [b[0], b[2], b[1], b[3]], ["big", "x"])
     assert rows2 == rows
     # device.sh ab's names (<side>_<set>_<round>.json) group by set even where a pass lost a config
     # (bench_layer records an error for a config it could not run: its names then differ).
@@ -108,8 +108,11 @@ def test_score_takes_the_changed_stages_lowest_pass_and_rounds(tmp_path):
             layer_json(tmp_path / "b_t_1.json", {"x": {}}),
             layer_json(tmp_path / "b_s_2.json", {"big": {"bwd.dA_proj": 4.0}, "y": {}}),
             layer_json(tmp_path / "b_t_2.json", {"x": {}})]
-    rows3, noise3 = rc.score(changes, a_ab, b_ab)
+    rows3, noise3 = rc.score(changes, a_ab, b_ab, ["big", "x", "y"])
     assert rows3 == rows and len(noise3) == 11  # y, missing from one pass of side a, is left out
+    # Configs the picks were not asked for (not in --configs) are left out, not read as noise.
+    rows4, noise4 = rc.score(changes, a_ab, b_ab, ["big"])
+    assert rows4 == rows and len(noise4) == 5
     md = rc.score_md(rows, noise)
     assert "| big | bwd.dA_proj | da_old -> da_new | 2.000 | 1.500 | 1.333 | 2.00 / 0.50 |" in md
     assert "Changed stages: 1" in md and "Unchanged GEMM stages" in md
