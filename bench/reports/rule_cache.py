@@ -39,7 +39,6 @@ unchanged 0.995 where the layer read 0.99-1.00).
 
 import argparse
 import json
-import math
 import os
 import re
 import sys
@@ -47,7 +46,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from tuner_report import CONFIG_RE, KEY_RE  # noqa: E402  (the tune log's one grammar)
 from heuristic_fit import heuristic_picks  # noqa: E402  (the one smoe_heuristic call)
-from layer_ab import load as load_layer_passes  # noqa: E402  (the one bench_layer JSON reader)
+from layer_ab import geomean, load as load_layer_passes  # noqa: E402  (the one bench_layer JSON reader)
 
 # The layer's GEMMs as the tune keys name them (smoe_tune's logs, checked by --check-log): kind -> (N, K)
 # from the layer's shape; every one has rows = T K. Varlen-K kinds: N and K as the key has them.
@@ -78,10 +77,6 @@ def layer_keys(cfg, kinds):
 # Each tune kind's stage in bench_layer's "kernels" (expert_gemms.h: dW2 gathers P = dout, dW1 gathers Q = x).
 STAGE = {"up_swiglu": "fwd.up_proj", "down_store": "fwd.down_proj", "da_dswiglu": "bwd.dA_proj",
          "dw_gather_p": "bwd.dW2", "dw_gather_p_t": "bwd.dW1", "dx_store": "bwd.dX_proj"}
-
-
-def geomean(xs):
-    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
 
 
 def load_passes(paths):
@@ -139,7 +134,7 @@ def score(changes, a_paths, b_paths, names=None):
 
 def score_md(rows, noise):
     noise = sorted(noise)
-    pct = lambda q: noise[round(q * (len(noise) - 1))] if noise else float("nan")  # noqa: E731  (nearest rank)
+    pct = lambda q: noise[round(q * (len(noise) - 1))]  # noqa: E731  (nearest rank)
     out = ["| config | stage | a pick -> b pick | a ms | b ms | a / b | per round |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         out.append(f"| {r['config']} | {r['stage']} | {r['old']} -> {r['new']} | {r['a_ms']:.3f} | {r['b_ms']:.3f} | "
@@ -153,8 +148,11 @@ def score_md(rows, noise):
             xs = [r["ratio"] for r in rows if r["stage"] == stage]
             if xs:
                 out.append(f"- {stage}: {len(xs)}, geomean {geomean(xs):.3f}, {min(xs):.2f}-{max(xs):.2f}")
-    out.append(f"Unchanged GEMM stages (the same kernel on both sides: the noise): {len(noise)}, geomean "
-               f"{geomean(noise):.3f}, 10th-90th percentile {pct(0.1):.3f}-{pct(0.9):.3f}.")
+    if noise:
+        out.append(f"Unchanged GEMM stages (the same kernel on both sides: the noise): {len(noise)}, geomean "
+                   f"{geomean(noise):.3f}, 10th-90th percentile {pct(0.1):.3f}-{pct(0.9):.3f}.")
+    else:
+        out.append("Unchanged GEMM stages: none in these passes (no noise to read the changed ones against).")
     return "\n".join(out) + "\n"
 
 
