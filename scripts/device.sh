@@ -70,6 +70,9 @@
 #   gather    the gather-sums alone: $BUILD/gather_sum_bench (every built variant against the kernel
 #             before them and a copy; GATHER_SHAPES=T:d:K:E,... replaces its shapes, GATHER_REPS 20)
 #             -> $OUT/gather/gather_sum.{json,txt} (bench/results/h100/gather_sum.md)
+#   router    the router GEMM alone: $BUILD/router_gemm_bench (the layer's cublasGemmEx against every
+#             algorithm cublasLt's heuristic offers and a copy of x; ROUTER_SHAPES=T:d:E,... replaces its
+#             shapes, ROUTER_REPS 20) -> $OUT/router/router_gemm.{json,txt}
 #   ab        a same-call layer A/B (run after build: the build is side A). AB_PATCH (e.g.
 #             docs/wip/<name>.patch, or several space-separated, applied in order on top of each
 #             other): applied, rebuilt as side B, AB_TEST_FILTER run on it, then reverted in the
@@ -109,7 +112,7 @@ cd "$ROOT"
 # shellcheck source=versions.env
 source scripts/versions.env
 
-ALL_STEPS="build test sanitize bench tune sonic ncu ep pytest digest gather ab"
+ALL_STEPS="build test sanitize bench tune sonic ncu ep pytest digest gather router ab"
 OUT="${OUT:-$ROOT/device_out}"
 BUILD="${BUILD:-build}"
 DRY="${DEVICE_DRY_RUN:-0}"
@@ -588,6 +591,15 @@ step_gather() {
     --reps "${GATHER_REPS:-20}" ${GATHER_SHAPES:+--shapes "$GATHER_SHAPES"} --out "$d/gather_sum.json"
 }
 summary_gather() { [ -s "$OUT/gather/gather_sum.txt" ] && grep -E "^T |chosen|checked|DIFFERS|WRONG" "$OUT/gather/gather_sum.txt" | head -40; }
+
+step_router() {
+  need_bin router_gemm_bench router || return 1
+  local d="$OUT/router"
+  mkdir -p "$d"
+  SMOE_COMMIT="$COMMIT" xt -o "$d/router_gemm.txt" "${ROUTER_TIMEOUT:-300}" "$BUILD/router_gemm_bench" \
+    --reps "${ROUTER_REPS:-20}" ${ROUTER_SHAPES:+--shapes "$ROUTER_SHAPES"} --out "$d/router_gemm.json"
+}
+summary_router() { [ -s "$OUT/router/router_gemm.txt" ] && grep -E "^T:d:E|gemmex|copy|failed|wrong" "$OUT/router/router_gemm.txt" | head -50; }
 
 ab_vars() { case "$1" in *:*) printf '%s' "${1#*:}" ;; esac; }  # 'name:VAR=v ...' -> 'VAR=v ...' ('name': none)
 step_ab() {

@@ -28,6 +28,7 @@
 #include <cuda_runtime_api.h>
 
 #include "cuda_or_exit.h"
+#include "event_timing.h"
 #include "gather_sum_legacy.cuh"
 #include "moe/gather_sum.cuh"
 
@@ -58,32 +59,8 @@ T* dev_upload(const std::vector<T>& h) {
   return p;
 }
 
-float median(std::vector<float> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
-template <typename F>
-float time_ms(F&& f, int warmup, int reps) {
-  cudaEvent_t a, b;
-  SMOE_CUDA_OR_EXIT(cudaEventCreate(&a));
-  SMOE_CUDA_OR_EXIT(cudaEventCreate(&b));
-  for (int i = 0; i < warmup; ++i) f();
-  SMOE_CUDA_OR_EXIT(cudaDeviceSynchronize());
-  std::vector<float> ms;
-  for (int i = 0; i < reps; ++i) {
-    SMOE_CUDA_OR_EXIT(cudaEventRecord(a));
-    f();
-    SMOE_CUDA_OR_EXIT(cudaEventRecord(b));
-    SMOE_CUDA_OR_EXIT(cudaEventSynchronize(b));
-    float t = 0;
-    SMOE_CUDA_OR_EXIT(cudaEventElapsedTime(&t, a, b));
-    ms.push_back(t);
-  }
-  SMOE_CUDA_OR_EXIT(cudaEventDestroy(a));
-  SMOE_CUDA_OR_EXIT(cudaEventDestroy(b));
-  return median(ms);
-}
+using smoe_bench::median;
+using smoe_bench::time_ms;
 
 std::vector<uint16_t> bits(const bf16* p, size_t n) {
   std::vector<uint16_t> h(n);
