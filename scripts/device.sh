@@ -597,9 +597,11 @@ step_router() {
   local d="$OUT/router"
   mkdir -p "$d"
   SMOE_COMMIT="$COMMIT" xt -o "$d/router_gemm.txt" "${ROUTER_TIMEOUT:-300}" "$BUILD/router_gemm_bench" \
-    --reps "${ROUTER_REPS:-20}" ${ROUTER_SHAPES:+--shapes "$ROUTER_SHAPES"} --out "$d/router_gemm.json"
+    --reps "${ROUTER_REPS:-20}" ${ROUTER_SHAPES:+--shapes "$ROUTER_SHAPES"} --out "$d/router_gemm.json" || return 1
+  dry || [ -s "$d/router_gemm.json" ] || { say "router_gemm_bench wrote no JSON"; return 1; }
+  x python3 bench/reports/router_report.py "$d/router_gemm.json" --md "$d/router_gemm.md"
 }
-summary_router() { [ -s "$OUT/router/router_gemm.txt" ] && grep -E "^T:d:E|gemmex|copy|failed|wrong" "$OUT/router/router_gemm.txt" | head -50; }
+summary_router() { [ -s "$OUT/router/router_gemm.md" ] && grep -E "^\| [0-9]|^Geomean" "$OUT/router/router_gemm.md" | head -20; }
 
 ab_vars() { case "$1" in *:*) printf '%s' "${1#*:}" ;; esac; }  # 'name:VAR=v ...' -> 'VAR=v ...' ('name': none)
 step_ab() {

@@ -78,6 +78,14 @@ std::vector<Shape> parse_shapes(const char* s) {
   return v;
 }
 
+// A JSON number: non-finite values (a failed check's relative L2) as null.
+std::string json_num(double v) {
+  if (!std::isfinite(v)) return "null";
+  char b[32];
+  std::snprintf(b, sizeof b, "%.6g", v);
+  return b;
+}
+
 double bf16_to_double(bf16 v) { return static_cast<double>(__bfloat162float(v)); }
 
 // Relative L2 of the device logits against a float64 product, over every column of `rows` sampled rows.
@@ -196,7 +204,7 @@ int main(int argc, char** argv) {
       const double tbs = bytes / (ms * 1e-3) / 1e12;
       std::printf("%-18s %-28s %9.4f %7.2f %5.0f%% %9.2e\n", tag, name.c_str(), ms, tbs, 100.0 * tbs / copy_tbs, err);
       json += std::string(first_variant ? "" : ",") + "\n  {\"name\": \"" + name + "\", \"ms\": " + std::to_string(ms) +
-              ", \"tbs\": " + std::to_string(tbs) + ", \"rel_l2\": " + std::to_string(err) +
+              ", \"tbs\": " + std::to_string(tbs) + ", \"rel_l2\": " + json_num(err) +
               (extra.empty() ? "" : ", " + extra) + "}";
       first_variant = false;
     };

@@ -224,8 +224,8 @@ def test_router_step_runs_the_bench_with_its_shapes(tmp_path):
     assert r.returncode != 0 and "no " + str(build / "router_gemm_bench") in r.stdout, r.stdout
     # A stand-in that records its arguments and commit, as the bench writes its JSON.
     write_exe(build / "router_gemm_bench", '#!/usr/bin/env python3\nimport json, os, sys\n'
-              'a = sys.argv[1:]\njson.dump({"args": a, "commit": os.environ["SMOE_COMMIT"]}, '
-              'open(a[a.index("--out") + 1], "w"))\nprint("T:d:E  variant")\n')
+              'a = sys.argv[1:]\njson.dump({"args": a, "commit": os.environ["SMOE_COMMIT"], "device": "GPU", '
+              '"reps": 3, "shapes": []}, open(a[a.index("--out") + 1], "w"))\nprint("T:d:E  variant")\n')
     r = subprocess.run(["bash", str(ROOT / "scripts" / "device.sh"), "router"], cwd=ROOT,
                        env=dict(e, ROUTER_SHAPES="100:64:8,9:16:2", ROUTER_REPS="3"),
                        capture_output=True, text=True, timeout=60)
@@ -234,3 +234,4 @@ def test_router_step_runs_the_bench_with_its_shapes(tmp_path):
     assert got["commit"] == "test"
     assert got["args"][:4] == ["--reps", "3", "--shapes", "100:64:8,9:16:2"], got
     assert "T:d:E" in (out / "router" / "router_gemm.txt").read_text()
+    assert (out / "router" / "router_gemm.md").read_text().startswith("router_gemm_bench on GPU at test")
