@@ -165,7 +165,6 @@ __global__ void __launch_bounds__(kTopkThreads)
       atomicOr(&mask[r.idx], 1u << i);  // K <= E: r.idx is a real expert
     }
     routing::record_nonfinite(r.nonfinite, lane, t, status);
-    const float (&v)[kPerLane] = r.v;
 
     // --- float64 ranking data (see the file comment) ---
     // l - mx: the reference's own float64 operation on the same values (exact for fp32 operands
@@ -180,7 +179,7 @@ __global__ void __launch_bounds__(kTopkThreads)
     double z = 0.0;
 #pragma unroll
     for (int j = 0; j < kPerLane; ++j)
-      if (lane + 32 * j < E) z += exp(static_cast<double>(v[j]) - mxd);
+      if (lane + 32 * j < E) z += exp(static_cast<double>(r.logit(j)) - mxd);
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) z += __shfl_xor_sync(0xffffffffu, z, off);
     if (lane == 0) {

@@ -8,14 +8,19 @@
 //   same experts bit for bit and skips the dead slots. With the loops always at 16 (E <= 512), E =
 //   128 spent 12 of every 16 compares of each of the K rounds on slots past E: the kernel was issue
 //   bound (SM 90% under ncu, 111 us at T 32768, E 128, K 8: 2/3 of the routing stage).
+//   Each round's warp arg-max is two hardware reductions (redux.sync) on 32-bit keys of the
+//   routing order (routing_key.h): the largest key, then the lowest expert holding it. The
+//   five shuffle steps of a (value, index) pair it replaced were 10 dependent shuffles and ~30
+//   compares and selects a round; the choices are the same bit for bit. On the H100 the routing
+//   stage went x1.04-1.72 over the 11 public configs (bench/results/h100/topk_redux_ab.md).
 #pragma once
 
-#include <climits>
 #include <cstdint>
 #include <type_traits>
 
 #include <cuda_bf16.h>
 
+#include "routing/routing_key.h"
 #include "smoe/smoe.h"
 
 namespace smoe {
@@ -44,67 +49,60 @@ decltype(auto) with_per_lane(int E, F&& f) {
 __device__ __forceinline__ float load_logit(const float* p) { return __ldg(p); }
 __device__ __forceinline__ float load_logit(const bf16* p) { return __bfloat162float(*p); }
 
-// The routing order: larger value first; equal values -> lower expert index first.
-__device__ __forceinline__ bool ranks_before(float v, int i, float bv, int bi) {
-  return v > bv || (v == bv && i < bi);
-}
-
 template <int kPerLane>
 struct WarpTopK {
   static_assert(kPerLane >= 1 && kPerLane <= kMaxPerLane, "1..16 logits a lane");
-  float v[kPerLane];     // this lane's logits (NaN -> -inf, -inf past E)
-  float val;             // lane k < K: the k-th largest logit
-  int idx;               // lane k < K: its expert
-  float score;           // lane k < K: softmax over the K chosen
-  bool nonfinite;        // this lane saw a NaN / +-Inf logit
+  uint32_t key[kPerLane];  // routing_key of this lane's logits (NaN -> -inf); kTakenKey past E
+  float val;               // lane k < K: the k-th largest logit
+  int idx;                 // lane k < K: its expert
+  float score;             // lane k < K: softmax over the K chosen
+  bool nonfinite;          // this lane saw a NaN / +-Inf logit
+  // Logit lane + 32 j (< E) as the routing saw it: NaN -> -inf, -0 -> +0.
+  __device__ __forceinline__ float logit(int j) const { return routing_value(key[j]); }
 };
 
 // E <= 32 * kPerLane (the caller's instance comes from with_per_lane(E)).
 template <int kPerLane, typename TIn>
 __device__ __forceinline__ void warp_topk_softmax(const TIn* row, int E, int K, int lane, WarpTopK<kPerLane>* r) {
-  uint32_t taken = 0;  // bit j: expert lane+32j already chosen (or does not exist)
   r->nonfinite = false;
 #pragma unroll
   for (int j = 0; j < kPerLane; ++j) {
     const int e = lane + 32 * j;
-    float x = -INFINITY;
+    uint32_t key = kTakenKey;
     if (e < E) {
-      x = load_logit(row + e);
+      float x = load_logit(row + e);
       if (!isfinite(x)) {
         r->nonfinite = true;
         if (isnan(x)) x = -INFINITY;  // NaN ranks below every number (and is reported)
       }
-    } else {
-      taken |= 1u << j;
+      key = routing_key(x);
     }
-    r->v[j] = x;
+    r->key[j] = key;
   }
+  uint32_t taken = 0;  // bit j: expert lane + 32 j already chosen
   r->val = -INFINITY;
   r->idx = 0;
   for (int k = 0; k < K; ++k) {
-    float bv = -INFINITY;
-    int bi = INT_MAX;
+    // This lane's best: the largest key not taken, the lowest slot among equals (slots ascend
+    // with the expert index, so a strict > keeps the first).
+    uint32_t bk = kTakenKey;
+    int bj = 0;
 #pragma unroll
     for (int j = 0; j < kPerLane; ++j) {
-      const int e = lane + 32 * j;
-      if (!((taken >> j) & 1u) && ranks_before(r->v[j], e, bv, bi)) {
-        bv = r->v[j];
-        bi = e;
+      const uint32_t key = ((taken >> j) & 1u) ? kTakenKey : r->key[j];
+      if (key > bk) {
+        bk = key;
+        bj = j;
       }
     }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-      const float ov = __shfl_xor_sync(0xffffffffu, bv, off);
-      const int oi = __shfl_xor_sync(0xffffffffu, bi, off);
-      if (ranks_before(ov, oi, bv, bi)) {
-        bv = ov;
-        bi = oi;
-      }
-    }
-    // K <= E guarantees a real expert was found (bi < E).
-    if (bi < E && (bi & 31) == lane) taken |= 1u << (bi >> 5);
+    // The warp's: the largest key, then the lowest expert among the lanes holding it. K <= E
+    // guarantees a real expert remains (a key above kTakenKey).
+    const uint32_t best = __reduce_max_sync(0xffffffffu, bk);
+    const unsigned cand = (bk == best) ? static_cast<unsigned>(lane + 32 * bj) : 0xffffffffu;
+    const int bi = static_cast<int>(__reduce_min_sync(0xffffffffu, cand));
+    if ((bi & 31) == lane) taken |= 1u << (bi >> 5);
     if (lane == k) {
-      r->val = bv;
+      r->val = routing_value(best);
       r->idx = bi;
     }
   }

@@ -61,11 +61,13 @@ using smoe_test::fresh_seed;
 std::vector<double> make_logits(const Case& c, uint64_t seed) {
   std::mt19937_64 rng(seed);
   std::normal_distribution<double> normal(0.0, 2.0);
-  std::uniform_int_distribution<int> small(0, 3);
+  // Ties: a few values, signed zeros among them (-0 and +0 are equal logits: the lower expert first).
+  static const double kTieValues[] = {-1.0, -0.0, 0.0, 1.0, 2.0};
+  std::uniform_int_distribution<int> small(0, 4);
   std::vector<double> x(static_cast<size_t>(c.T) * c.E);
   for (int64_t t = 0; t < c.T; ++t) {
     for (int e = 0; e < c.E; ++e) {
-      double v = c.pattern == Pattern::kTies ? static_cast<double>(small(rng)) : normal(rng);
+      double v = c.pattern == Pattern::kTies ? kTieValues[small(rng)] : normal(rng);
       if (c.pattern == Pattern::kHotExpert && e == c.E / 3) v += 100.0;  // every token picks it first
       x[t * c.E + e] = v;
     }
