@@ -594,12 +594,14 @@ summary_gather() { [ -s "$OUT/gather/gather_sum.txt" ] && grep -E "^T |chosen|ch
 
 step_router() {
   need_bin router_gemm_bench router || return 1
-  local d="$OUT/router"
+  local d="$OUT/router" rc=0
   mkdir -p "$d"
+  # Exit 1 = the layer's call failed its check: the table is still written, the step fails.
   SMOE_COMMIT="$COMMIT" xt -o "$d/router_gemm.txt" "${ROUTER_TIMEOUT:-300}" "$BUILD/router_gemm_bench" \
-    --reps "${ROUTER_REPS:-20}" ${ROUTER_SHAPES:+--shapes "$ROUTER_SHAPES"} --out "$d/router_gemm.json" || return 1
+    --reps "${ROUTER_REPS:-20}" ${ROUTER_SHAPES:+--shapes "$ROUTER_SHAPES"} --out "$d/router_gemm.json" || rc=1
   dry || [ -s "$d/router_gemm.json" ] || { say "router_gemm_bench wrote no JSON"; return 1; }
-  x python3 bench/reports/router_report.py "$d/router_gemm.json" --md "$d/router_gemm.md"
+  x python3 bench/reports/router_report.py "$d/router_gemm.json" --md "$d/router_gemm.md" || rc=1
+  return $rc
 }
 summary_router() { [ -s "$OUT/router/router_gemm.md" ] && grep -E "^\| [0-9]|^Geomean" "$OUT/router/router_gemm.md" | head -20; }
 

@@ -225,7 +225,8 @@ def test_router_step_runs_the_bench_with_its_shapes(tmp_path):
     # A stand-in that records its arguments and commit, as the bench writes its JSON.
     write_exe(build / "router_gemm_bench", '#!/usr/bin/env python3\nimport json, os, sys\n'
               'a = sys.argv[1:]\njson.dump({"args": a, "commit": os.environ["SMOE_COMMIT"], "device": "GPU", '
-              '"reps": 3, "shapes": []}, open(a[a.index("--out") + 1], "w"))\nprint("T:d:E  variant")\n')
+              '"reps": 3, "shapes": []}, open(a[a.index("--out") + 1], "w"))\nprint("T:d:E  variant")\n'
+              'sys.exit(int(os.environ.get("FAKE_RC", "0")))\n')
     r = subprocess.run(["bash", str(ROOT / "scripts" / "device.sh"), "router"], cwd=ROOT,
                        env=dict(e, ROUTER_SHAPES="100:64:8,9:16:2", ROUTER_REPS="3"),
                        capture_output=True, text=True, timeout=60)
@@ -235,3 +236,8 @@ def test_router_step_runs_the_bench_with_its_shapes(tmp_path):
     assert got["args"][:4] == ["--reps", "3", "--shapes", "100:64:8,9:16:2"], got
     assert "T:d:E" in (out / "router" / "router_gemm.txt").read_text()
     assert (out / "router" / "router_gemm.md").read_text().startswith("router_gemm_bench on GPU at test")
+    # A failed check (exit 1) still leaves the table, and fails the step.
+    (out / "router" / "router_gemm.md").unlink()
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "device.sh"), "router"], cwd=ROOT,
+                       env=dict(e, FAKE_RC="1"), capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and (out / "router" / "router_gemm.md").exists(), r.stdout
