@@ -59,7 +59,6 @@ T* dev_upload(const std::vector<T>& h) {
   return p;
 }
 
-using smoe_bench::median;
 using smoe_bench::time_ms;
 
 std::vector<uint16_t> bits(const bf16* p, size_t n) {
