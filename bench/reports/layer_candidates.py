@@ -149,30 +149,64 @@ def passes(ab_dir, side, stem):
 
 
 def report(args):
+    """One row per forced pick and config that runs it. Rounds are interleaved (device.sh ab: a, v0, v1, ...;
+    even rounds reversed), so round i of side a and of a variant ran minutes apart at most: the verdict pairs
+    them. `candidate`: the candidate's stage was faster than the pick's in every round by more than --margin;
+    `pick`: slower in every round by more than it; `-`: neither (the single-stage noise of one H100 pass is
+    4-7%, bench/results/h100/memory_stages.md)."""
     p = json.load(open(args.plan))
     stem = args.stem
     a = merge_rounds(passes(args.ab, "a", stem))
     if not a:
         sys.exit(f"--ab: no a_{stem}_<round>.json in {args.ab}")
-    lines = ["| config | stage | variant | candidate | alone ms | layer ms | per round | the pick | its alone ms |"
-             " its layer ms | pick / candidate in the layer |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    first = json.load(open(passes(args.ab, "a", stem)[0]))
+    commit, gpu = first.get("commit", "unknown"), first.get("gpu", "unknown")
+    lines = [f"Each GEMM's near-best candidates in the layer ({commit}, {gpu}, {len(a)} interleaved rounds): stage times, "
+             "the lowest round and every round; `pick / candidate` > 1 means the candidate ran faster.", "",
+             "| config | stage | variant | candidate | alone ms | layer ms | per round | the pick | its alone ms |"
+             " its layer ms | pick / candidate in the layer | per round | verdict |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = []
     for v in p["variants"]:
         b = merge_rounds(passes(args.ab, v["variant"], stem))
         for e in v["entries"]:
             for cfg, stage in e["uses"]:
                 head = f"| {cfg} | {stage} | {v['variant']} | {e['candidate']} | {e['isolated_ms']:.3f} |"
                 if len(b) != len(a) or any(cfg not in r for r in a + b):
-                    lines.append(f"{head} not run | | {e['pick']} | | | |")
+                    lines.append(f"{head} not run | | {e['pick']} | | | | | |")
                     continue
                 ta = [r[cfg][stage] for r in a]
                 tb = [r[cfg][stage] for r in b]
+                paired = [x / y for x, y in zip(ta, tb)]
+                verdict = ("candidate" if min(paired) > 1 + args.margin else
+                           "pick" if max(paired) < 1 - args.margin else "-")
                 alone = "unmeasured" if e["pick_isolated_ms"] is None else f"{e['pick_isolated_ms']:.3f}"
                 lines.append(f"{head} {min(tb):.3f} | {' / '.join(f'{x:.2f}' for x in tb)} | {e['pick']} | {alone} | "
-                             f"{min(ta):.3f} | {min(ta) / min(tb):.3f} |")
+                             f"{min(ta):.3f} | {min(ta) / min(tb):.3f} | {' / '.join(f'{x:.2f}' for x in paired)} | "
+                             f"{verdict} |")
+                rows.append(dict(config=cfg, stage=stage, variant=v["variant"], kind=e["kind"], N=e["N"], K=e["K"],
+                                 E=e["E"], rows_bucket=e["rows_bucket"], candidate=e["candidate"], pick=e["pick"],
+                                 candidate_isolated_ms=e["isolated_ms"], pick_isolated_ms=e["pick_isolated_ms"],
+                                 candidate_ms=tb, pick_ms=ta, pick_over_candidate=paired, verdict=verdict))
+    won = [r for r in rows if r["verdict"] == "candidate"]
+    lost = [r for r in rows if r["verdict"] == "pick"]
+    lines += ["", f"Verdicts at a {args.margin:.0%} margin in every round: the candidate faster on {len(won)} of "
+              f"{len(rows)} forced stages, the pick faster on {len(lost)}.", ""]
+    if won:
+        lines += ["The candidates faster in every round (the picks to re-read), largest saving first:", "",
+                  "| kind | N | K | E | rows bucket | config | the pick -> the candidate | pick / candidate, rounds | "
+                  "saved ms (lowest) |", "|---|---|---|---|---|---|---|---|---|"]
+        for r in sorted(won, key=lambda r: min(r["candidate_ms"]) - min(r["pick_ms"])):
+            lines.append(f"| {r['kind']} | {r['N']} | {r['K']} | {r['E']} | {r['rows_bucket']} | {r['config']} | "
+                         f"{r['pick']} -> {r['candidate']} | {min(r['pick_over_candidate']):.3f}-"
+                         f"{max(r['pick_over_candidate']):.3f} | {min(r['pick_ms']) - min(r['candidate_ms']):.3f} |")
     text = "\n".join(lines) + "\n"
     print(text, end="")
     if args.md:
         open(args.md, "w").write(text)
+    if args.json:
+        json.dump({"commit": commit, "gpu": gpu, "plan": args.plan, "margin": args.margin, "rounds": len(a), "rows": rows},
+                  open(args.json, "w"), indent=1)
 
 
 def main():
@@ -191,7 +225,9 @@ def main():
     rp.add_argument("--plan", required=True)
     rp.add_argument("--ab", required=True, help="the ab step's folder ($OUT/ab)")
     rp.add_argument("--stem", default="configs", help="the configs set's stem (plan writes configs.json)")
+    rp.add_argument("--margin", type=float, default=0.03, help="a verdict needs every round beyond 1 +- this")
     rp.add_argument("--md")
+    rp.add_argument("--json", help="the rows (per-round stage times of both sides) as JSON")
     args = ap.parse_args()
     plan(args) if args.cmd == "plan" else report(args)
 

@@ -79,18 +79,47 @@ def test_plan_forces_each_near_candidate_but_the_pick(tmp_path, out_in_tree):
         k = {f"{s}_ms": 1.0 for s in lc.STAGE.values()}
         k["fwd.up_proj_ms"] = up_ms
         (ab / f"{side}_configs_{rnd}.json").write_text(json.dumps(
-            {"results": [{"config": {"name": "DeepSeek-V3.2"}, "systems": {"ours": {"fwd_ms": 1, "bwd_ms": 2}}, "kernels": k}]}))
+            {"commit": "abc1234", "gpu": "NVIDIA H100 80GB HBM3",
+             "results": [{"config": {"name": "DeepSeek-V3.2"}, "systems": {"ours": {"fwd_ms": 1, "bwd_ms": 2}}, "kernels": k}]}))
     write("a", 1, 27.0), write("a", 2, 26.0)
     write("v0", 1, 28.9), write("v0", 2, 51.4)  # faster alone, slower in the layer
     md = tmp_path / "lc.md"
     sys.argv = ["layer_candidates.py", "report", "--plan", str(out / "plan.json"), "--ab", str(ab), "--md", str(md)]
     lc.main()
-    rows = md.read_text().splitlines()
+    rows = md.read_text().splitlines()[2:]  # after the header line and a blank
+    assert md.read_text().startswith("Each GEMM's near-best candidates in the layer (abc1234, NVIDIA H100 80GB HBM3, 2 ")
+    # Paired per round (27.0 / 28.9, 26.0 / 51.4): slower in both rounds by more than 3%, the pick's verdict.
     assert rows[2] == ("| DeepSeek-V3.2 | fwd.up_proj | v0 | up_swiglu<256> | 25.711 | 28.900 | 28.90 / 51.40 | "
-                       "up_swiglu_c2<256> | 26.782 | 26.000 | 0.900 |")
-    # The down-proj's stage is 1.0 ms on both sides here: ratio 1.
+                       "up_swiglu_c2<256> | 26.782 | 26.000 | 0.900 | 0.93 / 0.51 | pick |")
+    # The down-proj's stage is 1.0 ms on both sides here: ratio 1, no verdict.
     assert rows[3].startswith("| DeepSeek-V3.2 | fwd.down_proj | v0 | down_store_c2<256> | 12.618 | 1.000 |")
-    assert rows[3].endswith("| 1.000 | 1.000 |")
+    assert rows[3].endswith("| 1.000 | 1.000 | 1.00 / 1.00 | - |")
+    assert "the candidate faster on 0 of 2 forced stages, the pick faster on 1." in md.read_text()
+    assert "picks to re-read" not in md.read_text()
+
+    # A candidate faster in one round only gets no verdict; faster in every round by more than the margin,
+    # the candidate's, and it is listed with the time it saved; --json keeps both sides' rounds.
+    write("v0", 1, 25.0), write("v0", 2, 26.5)  # 27.0 / 25.0 = 1.08, 26.0 / 26.5 = 0.98
+    jsn = tmp_path / "lc.json"
+    sys.argv = ["layer_candidates.py", "report", "--plan", str(out / "plan.json"), "--ab", str(ab), "--md", str(md),
+                "--json", str(jsn)]
+    lc.main()
+    assert md.read_text().splitlines()[4].endswith("| 1.08 / 0.98 | - |")
+    write("v0", 1, 25.0), write("v0", 2, 25.0)  # 1.08, 1.04
+    lc.main()
+    text = md.read_text()
+    assert text.splitlines()[4].endswith("| 1.08 / 1.04 | candidate |")
+    assert "the candidate faster on 1 of 2 forced stages, the pick faster on 0." in text
+    assert ("| up_swiglu | 4096 | 7168 | 256 | 10 | DeepSeek-V3.2 | up_swiglu_c2<256> -> up_swiglu<256> | "
+            "1.040-1.080 | 1.000 |") in text
+    doc = json.loads(jsn.read_text())
+    assert (doc["commit"], doc["rounds"], doc["margin"]) == ("abc1234", 2, 0.03)
+    up = doc["rows"][0]
+    assert (up["verdict"], up["pick_ms"], up["candidate_ms"]) == ("candidate", [27.0, 26.0], [25.0, 25.0])
+    # --margin 0.05: 1.04 is inside it.
+    sys.argv += ["--margin", "0.05"]
+    lc.main()
+    assert md.read_text().splitlines()[4].endswith("| 1.08 / 1.04 | - |")
     # A variant without passes is listed as not run.
     plan_doc = json.loads((out / "plan.json").read_text())
     plan_doc["variants"][0]["variant"] = "v9"
