@@ -78,6 +78,12 @@ class StageRecorder : public smoe::profile::Recorder {
   }
 };
 
+// SMOE_BENCH_TIMING: "synced" (default) or "queued"; anything else is reported as an error by run_layer.
+std::string timing_mode() {
+  const char* t = std::getenv("SMOE_BENCH_TIMING");
+  return t == nullptr || *t == '\0' ? "synced" : t;
+}
+
 float median(std::vector<float> v) {
   std::sort(v.begin(), v.end());
   return v.empty() ? 0.f : v[v.size() / 2];
@@ -128,6 +134,10 @@ Result run_layer(const Config& c, int warmup, int reps, const std::string& route
     }
     s.router = smoe::MoERouter::kTokenRounding;
     s.rounding = static_cast<smoe::TokenRoundingMode>(m);
+  }
+  if (timing_mode() != "synced" && timing_mode() != "queued") {
+    r.error = "SMOE_BENCH_TIMING=" + timing_mode() + ": must be synced or queued";
+    return r;
   }
   smoe::Status ok = smoe::moe_can_implement(s);
   if (!ok.ok()) {
@@ -215,23 +225,42 @@ Result run_layer(const Config& c, int warmup, int reps, const std::string& route
     BENCH_SMOE(smoe::moe_backward(b, 0));
   }
   BENCH_CUDA(cudaDeviceSynchronize());
-  cudaEvent_t a, m, z;
-  BENCH_CUDA(cudaEventCreate(&a));
-  BENCH_CUDA(cudaEventCreate(&m));
-  BENCH_CUDA(cudaEventCreate(&z));
+  // Three events per rep (start, between forward and backward, end). Synced (the default): each rep
+  // waits for the one before, so it starts on an idle GPU and its time includes the host's enqueue of
+  // the first kernels. Queued (SMOE_BENCH_TIMING=queued): the reps are enqueued back to back and read
+  // after one synchronize, as torch_baseline.time_ms (side_by_side.py) times every system: the host
+  // runs ahead and a rep's time is the GPU's alone, unless the host is the slower of the two.
+  r.timing = timing_mode();
+  const bool queued = r.timing == "queued";
+  std::vector<cudaEvent_t> ev(3 * static_cast<size_t>(reps));
+  struct EventsGuard {
+    std::vector<cudaEvent_t>& v;
+    ~EventsGuard() {
+      for (cudaEvent_t e : v)
+        if (e) cudaEventDestroy(e);
+    }
+  } ev_guard{ev};
+  for (cudaEvent_t& e : ev) BENCH_CUDA(cudaEventCreate(&e));
+  auto elapsed = [&](cudaEvent_t from, cudaEvent_t to, std::vector<float>* out) -> cudaError_t {
+    float ms = 0;
+    const cudaError_t e = cudaEventElapsedTime(&ms, from, to);
+    out->push_back(ms);
+    return e;
+  };
   std::vector<float> tf, tfb;
   for (int i = 0; i < reps; ++i) {
+    cudaEvent_t a = ev[3 * i], z = ev[3 * i + 2];
     BENCH_CUDA(cudaEventRecord(a, 0));
     BENCH_SMOE(smoe::moe_forward(f, 0));
     BENCH_CUDA(cudaEventRecord(z, 0));
-    BENCH_CUDA(cudaEventSynchronize(z));
-    float ms;
-    BENCH_CUDA(cudaEventElapsedTime(&ms, a, z));
-    tf.push_back(ms);
+    if (!queued) BENCH_CUDA(cudaEventSynchronize(z));
   }
+  BENCH_CUDA(cudaDeviceSynchronize());
+  for (int i = 0; i < reps; ++i) BENCH_CUDA(elapsed(ev[3 * i], ev[3 * i + 2], &tf));
   std::vector<double> host_fwd, host_bwd;
   std::vector<float> pair_f, pair_b;
   for (int i = 0; i < reps; ++i) {
+    cudaEvent_t a = ev[3 * i], m = ev[3 * i + 1], z = ev[3 * i + 2];
     BENCH_CUDA(cudaEventRecord(a, 0));
     const auto h0 = std::chrono::steady_clock::now();
     BENCH_SMOE(smoe::moe_forward(f, 0));
@@ -242,14 +271,13 @@ Result run_layer(const Config& c, int warmup, int reps, const std::string& route
     host_fwd.push_back(std::chrono::duration<double, std::milli>(h1 - h0).count());
     host_bwd.push_back(std::chrono::duration<double, std::milli>(h2 - h1).count());
     BENCH_CUDA(cudaEventRecord(z, 0));
-    BENCH_CUDA(cudaEventSynchronize(z));
-    float ms;
-    BENCH_CUDA(cudaEventElapsedTime(&ms, a, z));
-    tfb.push_back(ms);
-    BENCH_CUDA(cudaEventElapsedTime(&ms, a, m));
-    pair_f.push_back(ms);
-    BENCH_CUDA(cudaEventElapsedTime(&ms, m, z));
-    pair_b.push_back(ms);
+    if (!queued) BENCH_CUDA(cudaEventSynchronize(z));
+  }
+  BENCH_CUDA(cudaDeviceSynchronize());
+  for (int i = 0; i < reps; ++i) {
+    BENCH_CUDA(elapsed(ev[3 * i], ev[3 * i + 2], &tfb));
+    BENCH_CUDA(elapsed(ev[3 * i], ev[3 * i + 1], &pair_f));
+    BENCH_CUDA(elapsed(ev[3 * i + 1], ev[3 * i + 2], &pair_b));
   }
   // Per-stage times (a separate pass: the events between stages perturb the totals slightly).
   StageRecorder rec;
@@ -275,9 +303,6 @@ Result run_layer(const Config& c, int warmup, int reps, const std::string& route
     r.rows += f;
     r.tile_rows += (f + 127) / 128 * 128;
   }
-  cudaEventDestroy(a);
-  cudaEventDestroy(m);
-  cudaEventDestroy(z);
   cleanup();
   if (hs.flags) r.error = "non-finite router logits reported";
 
@@ -363,7 +388,7 @@ std::string to_json(const std::vector<Config>& cs, const std::vector<Result>& rs
         << r.bwd_workspace_bytes << ", \"router\": \"" << r.router << "\", \"rows\": " << r.rows
         << ", \"tile_rows\": " << r.tile_rows << ", \"host_fwd_enqueue_ms\": " << r.host_fwd_enqueue_ms
         << ", \"host_bwd_enqueue_ms\": " << r.host_bwd_enqueue_ms << ", \"pair_fwd_ms\": " << r.pair_fwd_ms
-        << ", \"pair_bwd_ms\": " << r.pair_bwd_ms << "}},\n     \"kernels\": {";
+        << ", \"pair_bwd_ms\": " << r.pair_bwd_ms << ", \"timing\": \"" << r.timing << "\"}},\n     \"kernels\": {";
       for (size_t k = 0; k < r.kernels_ms.size(); ++k)
         o << (k ? ", " : "") << "\"" << r.kernels_ms[k].first << "_ms\": " << r.kernels_ms[k].second;
       o << "}}";

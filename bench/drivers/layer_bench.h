@@ -29,12 +29,17 @@ struct Result {
   int64_t tile_rows = 0;        // rows rounded up to the 128-row tile per expert: tile waste = 1 - rows/tile_rows
   std::vector<std::pair<std::string, double>> kernels_ms;  // median per stage, in order
   // Host time to enqueue (the calls return before the GPU finishes), median over the timed
-  // fwd+bwd reps. When it comes near the GPU time, the GPU waits on the host between kernels.
+  // fwd+bwd reps. When it comes near the GPU time, the GPU waits on the host between kernels. Queued
+  // timing: a launch may also wait for room in the stream's queue, so these read high there.
   double host_fwd_enqueue_ms = 0, host_bwd_enqueue_ms = 0;
   // The fwd+bwd reps split by an event between the two calls (median of each part). bwd_ms is
   // median(fwd+bwd) - median(fwd alone); these tell whether a gap between bwd_ms and the stage sum
   // sits in the backward itself or in a forward that runs slower after a backward.
   double pair_fwd_ms = 0, pair_bwd_ms = 0;
+  // How the reps were timed (SMOE_BENCH_TIMING): "synced", each rep on an idle GPU after the one before
+  // finished; "queued", back to back as torch_baseline.time_ms times every system in side_by_side.py.
+  // The stage pass (kernels_ms) is synced either way.
+  std::string timing = "synced";
 };
 
 // router: "topk" (default) or a token-rounding mode "nr", "up", "down", "sr".
