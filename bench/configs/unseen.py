@@ -3,6 +3,7 @@ the committed configs files, for A/Bs and rules to be re-measured on (the standa
 re-measured independently on shapes you have not seen").
 
   python3 bench/configs/unseen.py --seed 20261206 --per-family 2 --out unseen.json
+  python3 bench/configs/unseen.py --seed 20261207 --families odd_d --per-family 8 --out odd_d.json
   AB_UNSEEN_SEED=20261206 AB_CONFIGS='configs unseen' scripts/device.sh build ab   # the same draw
 
 The seed defaults to today's date (UTC, YYYYMMDD), so each session meets new shapes and a report
@@ -19,6 +20,9 @@ Families (issue 37 item 5, "add to the sweep"):
   k1_few_e   E <= 16, K = 1, n >= 8192
   few_rows   16-128 rows per expert (T K / E), E 64-512
   general    d 768-4096, n 256-2048, E 8-512, K 1-16
+Opt-in (--families names it; not in the default draw, so a seed's default draw stays what it was):
+  odd_d      d a multiple of 64 but not of 256 (gpt-oss's d = 2880), n 1024-3072, E 16-128, K 2-8: the
+             store GEMMs' N = d then takes the ping-pong 128 x 192 tiles and the N % 256 != 0 rules
 """
 import argparse
 import datetime
@@ -28,6 +32,7 @@ import random
 
 HERE = pathlib.Path(__file__).resolve().parent
 FAMILIES = ("wide", "odd_n", "k1_few_e", "few_rows", "general")
+OPT_IN_FAMILIES = ("odd_d",)
 
 
 def held_gb(T, d, n, E, K):
@@ -68,6 +73,11 @@ def _draw(rng, family):
         d, n = _pick(rng, 1024, 7168, 512), _pick(rng, 512, 3072, 128)
         E, K = rng.choice([64, 128, 256, 384, 512]), rng.choice([4, 6, 8, 12, 16])
         rows = rng.choice([16, 32, 48, 64, 96, 128])
+    elif family == "odd_d":
+        d = rng.choice([m * 64 for m in range(24, 82) if m % 4 != 0])  # 1600 .. 5184, not % 256
+        n = _pick(rng, 1024, 3072, 64)
+        E, K = rng.choice([16, 32, 48, 64, 96, 128]), rng.choice([2, 4, 6, 8])
+        rows = rng.choice([256, 512, 1024, 2048])
     else:  # general
         d, n = _pick(rng, 768, 4096, 256), _pick(rng, 256, 2048, 128)
         E = rng.choice([8, 16, 32, 60, 64, 96, 128, 256, 384, 512])
@@ -123,9 +133,9 @@ def main():
     p.add_argument("--out", required=True)
     a = p.parse_args()
     fams = tuple(f for f in a.families.split(",") if f)
-    bad = [f for f in fams if f not in FAMILIES]
+    bad = [f for f in fams if f not in FAMILIES + OPT_IN_FAMILIES]
     if bad:
-        p.error(f"--families: unknown {bad}; known: {','.join(FAMILIES)}")
+        p.error(f"--families: unknown {bad}; known: {','.join(FAMILIES + OPT_IN_FAMILIES)}")
     shapes = draw(a.seed, a.per_family, fams, a.max_gb, a.max_tflop)
     pathlib.Path(a.out).write_text("[\n" + ",\n".join(" " + json.dumps(c) for c in shapes) + "\n]\n")
     print(f"unseen.py: seed {a.seed}, {len(shapes)} shapes -> {a.out}")

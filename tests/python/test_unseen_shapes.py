@@ -42,6 +42,21 @@ def test_families_rules_and_caps():
                 assert fam == "general"
 
 
+def test_opt_in_odd_d_family_leaves_the_default_draw_alone():
+    # The default families draw what they drew before odd_d existed (a report naming its seed redraws it).
+    assert "odd_d" not in u.FAMILIES
+    assert shapes(u.draw(20261206, 1)) == [(8193, 4608, 3584, 128, 8), (8192, 7168, 2624, 128, 4),
+                                           (65539, 4096, 8192, 16, 1), (1370, 3584, 3072, 128, 12),
+                                           (2726, 2816, 1920, 64, 6)]
+    doc = u.draw(11, 12, families=("odd_d",))
+    assert len(doc) == 12
+    for cfg in doc:
+        T, d, n, E, K = cfg["T"], cfg["d"], cfg["n"], cfg["E"], cfg["K"]
+        assert d % 64 == 0 and d % 256 != 0 and 1600 <= d <= 5184, cfg
+        assert 1024 <= n <= 3072 and n % 64 == 0 and 16 <= E <= 128 and 2 <= K <= 8, cfg
+        assert cfg["source"] == "unseen.py --seed 11: odd_d"
+
+
 def test_no_committed_shape_and_names_unique():
     known = u.known_shapes()
     assert len(known) > 40  # the configs files were read
@@ -63,6 +78,10 @@ def test_cli_writes_bench_layer_configs(tmp_path):
     doc = json.loads(out.read_text())
     assert [c["source"].split(": ")[1] for c in doc] == ["wide", "k1_few_e"]
     assert set(doc[0]) == {"name", "T", "d", "n", "E", "K", "source"}
+    odd = subprocess.run([sys.executable, str(ROOT / "bench" / "configs" / "unseen.py"), "--seed", "3",
+                          "--families", "odd_d", "--per-family", "2", "--out", str(out)], capture_output=True, text=True)
+    assert odd.returncode == 0, odd.stderr
+    assert [c["source"].split(": ")[1] for c in json.loads(out.read_text())] == ["odd_d", "odd_d"]
     bad = subprocess.run([sys.executable, str(ROOT / "bench" / "configs" / "unseen.py"), "--families", "huge",
                           "--out", str(out)], capture_output=True, text=True)
     assert bad.returncode != 0 and "--families" in bad.stderr
