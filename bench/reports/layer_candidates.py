@@ -205,7 +205,11 @@ def report(args):
     if args.md:
         open(args.md, "w").write(text)
     if args.json:
-        json.dump({"commit": commit, "gpu": gpu, "plan": args.plan, "margin": args.margin, "rounds": len(a), "rows": rows},
+        # Side a's whole passes too (bench_layer's JSONs, round order): the heuristic's layer on every shape, for
+        # reports that read bench_layer runs (gemm_floors.py, memory_stages.py) without another device call.
+        a_passes = [json.load(open(f)) for f in passes(args.ab, "a", stem)]
+        json.dump({"commit": commit, "gpu": gpu, "plan": args.plan, "margin": args.margin, "rounds": len(a), "rows": rows,
+                   "a_passes": a_passes},
                   open(args.json, "w"), indent=1)
 
 

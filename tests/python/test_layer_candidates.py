@@ -114,6 +114,7 @@ def test_plan_forces_each_near_candidate_but_the_pick(tmp_path, out_in_tree):
             "1.040-1.080 | 1.000 |") in text
     doc = json.loads(jsn.read_text())
     assert (doc["commit"], doc["rounds"], doc["margin"]) == ("abc1234", 2, 0.03)
+    assert [p["results"][0]["kernels"]["fwd.up_proj_ms"] for p in doc["a_passes"]] == [27.0, 26.0]
     up = doc["rows"][0]
     assert (up["verdict"], up["pick_ms"], up["candidate_ms"]) == ("candidate", [27.0, 26.0], [25.0, 25.0])
     # --margin 0.05: 1.04 is inside it.
