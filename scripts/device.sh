@@ -29,7 +29,9 @@
 #             fills the machine's cache) or run (the next call on the still-warm machine:
 #             SONIC_CONFIGS names, default all of SONIC_CONFIGS_FILES: bench/configs/configs.json,
 #             or several files comma-separated, e.g. adding sweep_configs.json and wide_configs.json).
-#             SONIC_BUDGET (570 s from the script's start) caps both.
+#             SONIC_BUDGET (570 s from the script's start) caps both. SONIC_STAGE=profile (after warm, as
+#             run): bench/drivers/sonic_profile.py, both systems' kernels one by one (torch.profiler) on
+#             SONIC_PROFILE_CONFIGS (default the large six) -> $OUT/sonic/profile/{<config>.<system>.md,profile.json}
 #   tune      the engine tuner's evidence: for each configs file of TUNE_CONFIGS (default
 #             bench/configs/configs.json and bench/configs/wide_configs.json; the 41 shapes for
 #             re-deriving the heuristic add sweep_configs.json and tune_extra_configs.json) build/smoe_tune into a
@@ -409,6 +411,7 @@ step_tune() {
 }
 summary_tune() { grep -E "^\| |timed out|rc=" "$OUT/tune/tuner.md" "$1" 2>/dev/null | grep -vE "^\S+:\|---" | head -40; }
 
+SONIC_LARGE_SIX='Qwen3-Next-80B,30B n512 E128 K8,30B n256 E256 K16,Qwen3-235B,120B n1024 E128 K8,OLMoE-7B'
 step_sonic() {
   if ! dry && [ ! -d .whl ]; then say "no .whl/: run bench/baselines/sonicmoe_env.sh pack here and carry .whl"; return 1; fi
   torch_ext || return 1
@@ -430,7 +433,12 @@ step_sonic() {
           --configs-file "${SONIC_CONFIGS_FILES:-bench/configs/configs.json}" \
           ${SONIC_CONFIGS:+--configs "$SONIC_CONFIGS"} --out "$d/side_by_side.json" --plots "$d" \
           --commit "$COMMIT" || rc=1 ;;
-      *) say "SONIC_STAGE must be warm or run"; rc=1 ;;
+      profile)
+        # Both systems' kernels one by one in one process, same inputs (bench/drivers/sonic_profile.py):
+        # which of SonicMoE's GEMMs / sums beats ours. After a warm stage, as run.
+        xt -a "$d/profile.log" "$(left)" python3 bench/drivers/sonic_profile.py \
+          --configs "${SONIC_PROFILE_CONFIGS:-$SONIC_LARGE_SIX}" --out "$d/profile" --commit "$COMMIT" || rc=1 ;;
+      *) say "SONIC_STAGE must be warm, run or profile"; rc=1 ;;
     esac
   else
     say "sonicmoe does not import"; rc=1

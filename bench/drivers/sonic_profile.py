@@ -1,13 +1,15 @@
 #!/usr/bin/env python3
-"""SonicMoE's kernels one by one (torch.profiler, CUDA activity), to set against bench_layer's
-per-stage times of this library at the same config: which of its GEMMs / sums is faster than ours.
+"""SonicMoE's kernels one by one (torch.profiler, CUDA activity), next to this library's through its torch op
+in the same process on the same inputs: which of its GEMMs / sums is faster than ours.
 
-Usage (GPU machine, SonicMoE installed by bench/baselines/sonicmoe_env.sh):
-  python3 bench/drivers/sonic_profile.py --configs "30B n256 E256 K16,30B n512 E128 K8" --out DIR
-Per config: the same inputs as bench/drivers/side_by_side.py (torch_baseline.make_inputs, seed 0), forward +
-backward --warmup times (its JIT compiles and autotunes there), then --iters profiled iterations;
-DIR/<config>.md lists every kernel name with its calls and ms per iteration, largest first, and the
-sum (= SonicMoE's GPU time per forward + backward, gaps between kernels excluded).
+Usage (GPU machine, SonicMoE installed by bench/baselines/sonicmoe_env.sh; `scripts/device.sh sonic` with
+SONIC_STAGE=profile):
+  python3 bench/drivers/sonic_profile.py --configs "30B n256 E256 K16,30B n512 E128 K8" --out DIR [--systems sonicmoe,ours]
+Per config and system: the same inputs as bench/drivers/side_by_side.py (torch_baseline.make_inputs, seed 0),
+forward + backward --warmup times (SonicMoE's JIT compiles and autotunes there), then --iters profiled
+iterations; DIR/<config>.<system>.md lists every kernel name with its calls and ms per iteration, largest
+first, and the sum (= the system's GPU time per forward + backward, gaps between kernels excluded);
+DIR/profile.json holds both tables per config.
 """
 import argparse
 import json
@@ -20,17 +22,23 @@ import torch  # noqa: E402
 import side_by_side as sbs  # noqa: E402
 
 
-def profile_config(cfg, args, device):
+def profile_config(cfg, args, device, system):
     K = int(cfg["K"])
     params, dout = sbs.layer_inputs(cfg, args, device)
     x, w_router, w1i, w2 = params
     stream = torch.cuda.current_stream().cuda_stream
+    if system == "ours":
+        import smoe_torch  # noqa: F401  (registers the op's autograd)
 
     def step():
         for p in params:
             p.grad = None
-        out = sbs.sonicmoe.moe_TC_softmax_topk_layer(x, w_router, w1i.permute(1, 2, 0), None, w2.permute(1, 2, 0),
-                                                     None, K, stream, sbs.ActivationType.SWIGLU, False)[0]
+        if system == "ours":
+            out = sbs.ours_forward(params, K)
+        else:
+            out = sbs.sonicmoe.moe_TC_softmax_topk_layer(x, w_router, w1i.permute(1, 2, 0), None,
+                                                         w2.permute(1, 2, 0), None, K, stream,
+                                                         sbs.ActivationType.SWIGLU, False)[0]
         out.backward(dout)
 
     t0 = time.time()
@@ -61,25 +69,41 @@ def main():
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--systems", default="sonicmoe,ours", help="which of sonicmoe,ours to profile")
+    ap.add_argument("--commit", default="unknown")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    if sbs.SONIC_REASON:
+    systems = [x for x in args.systems.split(",") if x]
+    bad = [x for x in systems if x not in ("sonicmoe", "ours")]
+    if bad or not systems:
+        sys.exit(f"--systems: {args.systems!r}; known: sonicmoe, ours")
+    if "sonicmoe" in systems and sbs.SONIC_REASON:
         sys.exit(sbs.SONIC_REASON)
     os.makedirs(args.out, exist_ok=True)
     cfgs = {c["name"]: c for c in json.load(open(args.configs_file))}
+    missing = [n for n in args.configs.split(",") if n not in cfgs]
+    if missing:
+        sys.exit(f"--configs: {missing} not in {args.configs_file}")
     device = torch.device("cuda")
+    doc = {"commit": args.commit, "gpu": torch.cuda.get_device_name(device), "iters": args.iters, "configs": {}}
     for name in args.configs.split(","):
-        warm_s, table = profile_config(cfgs[name], args, device)
-        total = sum(ms for _, _, ms in table)
-        lines = [f"# SonicMoE kernels, {name} (forward + backward, ms per iteration over {args.iters}; "
-                 f"warm-up {warm_s:.0f} s)", "", "| kernel | calls | ms |", "|---|---|---|"]
-        lines += [f"| {n[:150]} | {c:g} | {ms:.3f} |" for n, c, ms in table]
-        lines.append(f"| **sum** | | **{total:.3f}** |")
-        path = os.path.join(args.out, name.replace(" ", "_") + ".md")
-        open(path, "w").write("\n".join(lines) + "\n")
-        print("\n".join(lines[:3] + [f"{ms:8.3f}  {c:g}x  {n[:110]}" for n, c, ms in table[:25]]), flush=True)
-        print(f"sum {total:.3f} ms", flush=True)
-        torch.cuda.empty_cache()
+        for system in systems:
+            warm_s, table = profile_config(cfgs[name], args, device, system)
+            total = sum(ms for _, _, ms in table)
+            lines = [f"# {system} kernels, {name} (forward + backward, ms per iteration over {args.iters}; "
+                     f"warm-up {warm_s:.0f} s)", "", "| kernel | calls | ms |", "|---|---|---|"]
+            lines += [f"| {n[:150]} | {c:g} | {ms:.3f} |" for n, c, ms in table]
+            lines.append(f"| **sum** | | **{total:.3f}** |")
+            path = os.path.join(args.out, name.replace(" ", "_") + f".{system}.md")
+            open(path, "w").write("\n".join(lines) + "\n")
+            print("\n".join(lines[:3] + [f"{ms:8.3f}  {c:g}x  {n[:110]}" for n, c, ms in table[:25]]), flush=True)
+            print(f"sum {total:.3f} ms", flush=True)
+            doc["configs"].setdefault(name, {})[system] = {
+                "sum_ms": total, "warmup_s": warm_s,
+                "kernels": [{"name": n, "calls": c, "ms": ms} for n, c, ms in table]}
+            # Rewritten after every table: a call cut at its limit keeps what finished.
+            json.dump(doc, open(os.path.join(args.out, "profile.json"), "w"), indent=1)
+            torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

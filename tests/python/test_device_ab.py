@@ -241,3 +241,23 @@ def test_router_step_runs_the_bench_with_its_shapes(tmp_path):
     r = subprocess.run(["bash", str(ROOT / "scripts" / "device.sh"), "router"], cwd=ROOT,
                        env=dict(e, FAKE_RC="1"), capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and (out / "router" / "router_gemm.md").exists(), r.stdout
+
+
+def test_sonic_profile_stage_profiles_the_large_six_or_the_named_configs(tmp_path):
+    # Dry run: the commands only (no .whl, no GPU). The profile stage names the large six by default.
+    e = dict(os.environ, OUT=str(tmp_path / "out"), SMOE_COMMIT="test", DEVICE_DRY_RUN="1", SONIC_STAGE="profile")
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "device.sh"), "sonic"], cwd=ROOT, env=e,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    line = next(x for x in r.stdout.splitlines() if "sonic_profile.py" in x)
+    for name in ("Qwen3-Next-80B", "30B\\ n512\\ E128\\ K8", "30B\\ n256\\ E256\\ K16", "Qwen3-235B",
+                 "120B\\ n1024\\ E128\\ K8", "OLMoE-7B"):
+        assert name in line, line
+    assert "--commit test" in line and str(tmp_path / "out" / "sonic" / "profile") in line
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "device.sh"), "sonic"], cwd=ROOT,
+                       env=dict(e, SONIC_PROFILE_CONFIGS="OLMoE-7B"), capture_output=True, text=True, timeout=60)
+    line = next(x for x in r.stdout.splitlines() if "sonic_profile.py" in x)
+    assert "--configs OLMoE-7B " in line and "Qwen3" not in line, line
+    bad = subprocess.run(["bash", str(ROOT / "scripts" / "device.sh"), "sonic"], cwd=ROOT,
+                         env=dict(e, SONIC_STAGE="bogus"), capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "SONIC_STAGE must be warm, run or profile" in bad.stdout
