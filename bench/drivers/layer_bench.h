@@ -38,7 +38,7 @@ struct Result {
   double pair_fwd_ms = 0, pair_bwd_ms = 0;
   // How the reps were timed (SMOE_BENCH_TIMING): "synced", each rep on an idle GPU after the one before
   // finished; "queued", back to back as torch_baseline.time_ms times every system in side_by_side.py.
-  // The stage pass (kernels_ms) is synced either way.
+  // The stage pass (kernels_ms) follows the same mode.
   std::string timing = "synced";
 };
 
