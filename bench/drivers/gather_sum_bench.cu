@@ -29,6 +29,7 @@
 
 #include "cuda_or_exit.h"
 #include "event_timing.h"
+#include "write_text.h"
 #include "gather_sum_legacy.cuh"
 #include "moe/gather_sum.cuh"
 
@@ -265,15 +266,7 @@ int main(int argc, char** argv) {
       SMOE_CUDA_OR_EXIT(cudaFree(p));
   }
   json += "\n]}\n";
-  if (out_path) {
-    FILE* f = std::fopen(out_path, "w");
-    if (!f) {
-      std::fprintf(stderr, "cannot write %s\n", out_path);
-      return 1;
-    }
-    std::fputs(json.c_str(), f);
-    std::fclose(f);
-  }
+  if (out_path && !smoe_bench::write_text(out_path, json)) return 1;
   std::printf("\n%s\n", all_ok ? "all variants checked: ok" : "CHECK FAILED");
   return all_ok ? 0 : 1;
 }

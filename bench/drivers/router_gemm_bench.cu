@@ -30,6 +30,7 @@
 
 #include "cuda_or_exit.h"
 #include "event_timing.h"
+#include "write_text.h"
 #include "moe/cublas_handles.h"
 #include "moe/memory_plan.h"
 
@@ -280,15 +281,7 @@ int main(int argc, char** argv) {
     SMOE_CUDA_OR_EXIT(cudaFree(dl));
   }
   json += "\n]}\n";
-  if (out_path) {
-    FILE* f = std::fopen(out_path, "w");
-    if (!f) {
-      std::fprintf(stderr, "cannot write %s\n", out_path);
-      return 1;
-    }
-    std::fputs(json.c_str(), f);
-    std::fclose(f);
-  }
+  if (out_path && !smoe_bench::write_text(out_path, json)) return 1;
   if (!layer_ok) std::printf("CHECK FAILED: the layer's call gave logits off the float64 product\n");
   return layer_ok ? 0 : 1;
 }
