@@ -1,0 +1,95 @@
+#!/usr/bin/env python3
+"""Both systems' kernel times by role, from sonic_profile.py's profile.json: which of SonicMoE's GEMMs or
+sums beats ours, config by config (issue 37: "fwd+bwd >= 1.05x SonicMoE; where not, per GEMM what holds it
+back").
+
+  python3 bench/reports/sonic_profile_report.py profile.json [--md out.md]
+
+A kernel's role comes from its name (ROLES: the first pattern that matches, case-insensitive). Our GEMMs
+are named by their epilogue (EpiSwiGLU: up-proj; EpiDSwiGLU: dA'); the other four (down-proj, dX~, dW1,
+dW2) share templates, so they are one role, "store GEMMs", on both sides. A name no pattern knows goes to
+"other" and is listed under the table, so a new kernel is seen, not dropped. ms are per forward + backward
+(profiler sums over the profiled iterations / iterations; gaps between kernels are not in them).
+"""
+
+import argparse
+import json
+import re
+import sys
+
+# (role, pattern) in match order: the router's cuBLAS GEMM before the generic GEMM patterns, dA' before up.
+ROLES = [
+    ("router GEMM", r"nvjet|xmma|cublas|ampere_|sm90_gemm|cutlass::kernel2|gemvx|splitkreduce"),
+    ("dA' (dSwiGLU + dS)", r"epidswiglu|gemmdact|gemm_dact|dact"),
+    ("up-proj (SwiGLU)", r"episwiglu|gemmact|gemm_act|swiglu"),
+    ("store GEMMs (down, dX~, dW1, dW2)", r"engine_kernel|varlen|gemmsm90|gemm_sm90|gemmdefault|quack|hopperwgmma|gemm"),
+    ("sums (aggregate, dX~ sum, dS)", r"gather_sum|aggregat|reduction|reduce|ds_rowsum|db2_and_ds|db1|token_gather"),
+    ("routing (top-K, counts, order)", r"topk|top_k|softmax|histogram|scan|radix|sort|bitmatrix|metadata|offset|"
+                                       r"searchsorted|col_partial|map_rows|slots|router_backward|routing|count|prefix|scatter_entries|"
+                                       r"tile_scan|expert_select|pad_key|rounding|finalize"),
+]
+ROLE_NAMES = [r for r, _ in ROLES] + ["other"]
+
+
+def role_of(name):
+    low = name.lower()
+    for role, pat in ROLES:
+        if re.search(pat, low):
+            return role
+    return "other"
+
+
+def by_role(kernels):
+    """{role: ms}, and the names that fell to "other" with their ms."""
+    out = {r: 0.0 for r in ROLE_NAMES}
+    other = []
+    for k in kernels:
+        r = role_of(k["name"])
+        out[r] += k["ms"]
+        if r == "other":
+            other.append((k["name"], k["ms"]))
+    return out, other
+
+
+def report(doc):
+    lines = [f"Kernel time by role, ms per forward + backward (commit {doc.get('commit')}, {doc.get('gpu')}, "
+             f"{doc.get('iters')} profiled iterations); `sonic / ours` > 1: ours is faster.", ""]
+    for cfg, systems in doc["configs"].items():
+        if "ours" not in systems or "sonicmoe" not in systems:
+            lines += [f"## {cfg}", "", f"only {', '.join(systems)} profiled", ""]
+            continue
+        ours, ours_other = by_role(systems["ours"]["kernels"])
+        sonic, sonic_other = by_role(systems["sonicmoe"]["kernels"])
+        lines += [f"## {cfg}", "", "| role | ours ms | SonicMoE ms | sonic / ours |", "|---|---|---|---|"]
+        for r in ROLE_NAMES:
+            if ours[r] == 0 and sonic[r] == 0:
+                continue
+            ratio = f"{sonic[r] / ours[r]:.2f}" if ours[r] > 0 else "-"
+            lines.append(f"| {r} | {ours[r]:.3f} | {sonic[r]:.3f} | {ratio} |")
+        to, ts = systems["ours"]["sum_ms"], systems["sonicmoe"]["sum_ms"]
+        lines.append(f"| **all kernels** | **{to:.3f}** | **{ts:.3f}** | **{ts / to:.2f}** |")
+        for who, other in (("ours", ours_other), ("SonicMoE", sonic_other)):
+            if other:
+                lines.append("")
+                lines.append(f"{who}, other: " + "; ".join(f"`{n[:80]}` {ms:.3f}" for n, ms in
+                                                          sorted(other, key=lambda x: -x[1])[:8]))
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("profile")
+    ap.add_argument("--md")
+    args = ap.parse_args()
+    doc = json.load(open(args.profile))
+    if not doc.get("configs"):
+        sys.exit(f"{args.profile}: no configs profiled")
+    text = report(doc)
+    if args.md:
+        open(args.md, "w").write(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
