@@ -86,7 +86,8 @@
 #             bench_layer over each configs file stem of AB_CONFIGS (default "configs wide_configs":
 #             bench/configs/<stem>.json; 'unseen': bench/configs/unseen.py's draw with seed
 #             AB_UNSEEN_SEED, default today's date, in $OUT/ab/unseen.json; or a path to a configs
-#             JSON, e.g. docs/wip/<name>.heldout.json, its stem the file name), SMOE_ENGINE_TUNE=0,
+#             JSON, e.g. docs/wip/<name>.heldout.json, its stem the file name; 'v1,v2=<entry>': only
+#             A and those variants run on it, e.g. each rule's variant on its own held-out shapes), SMOE_ENGINE_TUNE=0,
 #             AB_WARMUP (2), AB_REPS (8), AB_TIMEOUT (150 s a pass) -> $OUT/ab/<side>_<stem>_<round>.json, then
 #             bench/reports/layer_ab.py per variant and stem -> $OUT/ab/ab_<variant>_<stem>.{json,md}
 #
@@ -626,6 +627,13 @@ step_ab() {
     case "$name" in ''|a|*[!A-Za-z0-9_-]*) say "AB_VARIANTS: bad name '$name' in '$v' (letters, digits, _ and -; not 'a')"; return 1 ;; esac
     names+=("$name")
   done
+  local scoped=() sv
+  for entry in ${AB_CONFIGS:-configs wide_configs}; do
+    IFS=',' read -r -a scoped <<<"$(ab_entry_variants "$entry")"
+    for sv in ${scoped[@]+"${scoped[@]}"}; do
+      [[ " ${names[*]} " == *" $sv "* ]] || { say "AB_CONFIGS: variant '$sv' of '$entry' is not in AB_VARIANTS"; return 1; }
+    done
+  done
   mkdir -p "$d"
   x cp "$BUILD/bench_layer" "$a_bin" || return 1
   if [ "${AB_DIGEST:-1}" != 0 ] && { dry || [ -x "$BUILD/layer_digest" ]; }; then
@@ -663,9 +671,12 @@ step_ab() {
   local env_a=() env_b=()
   read -r -a env_a <<<"${AB_ENV_A:-}"
   # The stem 'unseen': a seeded draw of shapes in none of the configs files (bench/configs/unseen.py).
-  case " ${AB_CONFIGS:-} " in *" unseen "*)
-    x python3 bench/configs/unseen.py --seed "${AB_UNSEEN_SEED:-$(date -u +%Y%m%d)}" --out "$d/unseen.json" || return 1 ;;
-  esac
+  for entry in ${AB_CONFIGS:-}; do
+    if [ "$(ab_entry_config "$entry")" = unseen ]; then
+      x python3 bench/configs/unseen.py --seed "${AB_UNSEEN_SEED:-$(date -u +%Y%m%d)}" --out "$d/unseen.json" || return 1
+      break
+    fi
+  done
   if [ "$digest" = 1 ]; then
     read -r -a env_b <<<"$(ab_vars "${variants[0]}")"
     xt -o "$d/digest_a.txt" 300 env ${env_a[@]+"${env_a[@]}"} "$STATE/digest_a" || rc=1
@@ -687,8 +698,9 @@ step_ab() {
       round=(); for ((k = ${#sides[@]} - 1; k >= 0; k--)); do round+=("${sides[k]}"); done
     fi
     for entry in ${AB_CONFIGS:-configs wide_configs}; do
-      f=$(ab_config_file "$entry" "$d"); stem=$(ab_config_stem "$entry")
+      f=$(ab_config_file "$(ab_entry_config "$entry")" "$d"); stem=$(ab_config_stem "$(ab_entry_config "$entry")")
       for v in "${round[@]}"; do
+        [ "$v" = -a- ] || ab_entry_runs "$entry" "${v%%:*}" || continue
         if [ "$v" = -a- ]; then
           xt -a "$d/a_${stem}_$i.log" "$t" env SMOE_ENGINE_TUNE=0 ${env_a[@]+"${env_a[@]}"} "$a_bin" --configs "$f" \
             --warmup "$w" --reps "$r" --commit "$COMMIT" --out "$d/a_${stem}_$i.json" || rc=1
@@ -704,8 +716,9 @@ step_ab() {
   local gpu="GPU"
   dry || gpu="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)"
   for entry in ${AB_CONFIGS:-configs wide_configs}; do
-    stem=$(ab_config_stem "$entry")
+    stem=$(ab_config_stem "$(ab_entry_config "$entry")")
     for name in "${names[@]}"; do
+      ab_entry_runs "$entry" "$name" || continue
       local fa="" fb=""
       for i in $(seq 1 "${AB_ROUNDS:-3}"); do fa+="$d/a_${stem}_$i.json,"; fb+="$d/${name}_${stem}_$i.json,"; done
       x python3 bench/reports/layer_ab.py --a "a=$fa" --b "$name=$fb" --commit "$COMMIT${AB_PATCH:+ + $AB_PATCH}" \
@@ -726,6 +739,12 @@ ab_config_file() {
   esac
 }
 ab_config_stem() { local b; b=$(basename "$1"); echo "${b%.json}"; }
+# A scoped entry 'v1,v2=<entry>' runs side A and only the variants named; a plain entry runs every one.
+ab_entry_config() { echo "${1#*=}"; }
+ab_entry_variants() { case "$1" in *=*) echo "${1%%=*}" ;; esac; }
+ab_entry_runs() {
+  case "$1" in *=*) [[ ",${1%%=*}," == *",$2,"* ]] ;; *) return 0 ;; esac
+}
 summary_ab() {
   grep -E "^digest: |^\[  (PASSED|FAILED) |does not apply|timed out|bad name" "$1" | head -12
   local f

@@ -86,6 +86,28 @@ def test_unseen_stem_runs_the_seeded_draw(tmp_path):
     assert (d / "ab_b_unseen.md").exists()
 
 
+def test_scoped_entries_run_only_their_variants(tmp_path):
+    # 'fast=smoke_configs': A and fast only; the plain entry runs every variant. Each report exists only
+    # where its variant ran, and no run of 'same' touches the scoped file.
+    r, d = run_ab(tmp_path, "x 1", AB_VARIANTS="same:;fast:FAKE_SPEED=1.25",
+                  AB_CONFIGS="fast=smoke_configs same=unseen", AB_UNSEEN_SEED="11")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert len(list(d.glob("a_smoke_configs_*.json"))) == 2
+    assert len(list(d.glob("fast_smoke_configs_*.json"))) == 2
+    assert not list(d.glob("same_smoke_configs_*")) and not list(d.glob("fast_unseen_*"))
+    assert len(list(d.glob("same_unseen_*.json"))) == 2 and (d / "unseen.json").exists()
+    fast = json.loads((d / "ab_fast_smoke_configs.json").read_text())
+    assert abs(fast["summary"]["geomean"] - 1.25) < 1e-9
+    assert (d / "ab_same_unseen.md").exists() and not (d / "ab_same_smoke_configs.md").exists()
+
+
+def test_scoped_entry_naming_an_unknown_variant_is_refused_before_anything_runs(tmp_path):
+    r, d = run_ab(tmp_path, "x 1", AB_VARIANTS="same:", AB_CONFIGS="same,typo=smoke_configs")
+    assert r.returncode == 1
+    assert "variant 'typo' of 'same,typo=smoke_configs' is not in AB_VARIANTS" in r.stdout
+    assert not d.exists() or not list(d.glob("*.json"))
+
+
 def dry_run(tmp_path, step, **env):
     """scripts/device.sh STEP with DEVICE_DRY_RUN=1: it prints every command ('+ ...'), runs none."""
     e = {k: v for k, v in os.environ.items() if not k.startswith("AB_") and k != "BUILD_TARGETS"}
