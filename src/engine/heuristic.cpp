@@ -48,29 +48,39 @@ std::optional<EngineConfig> built_varlen_m(Kind kind, bool pp, int bn, int clust
 bool lean_hbm(const DeviceFacts& dev) { return dev.hbm_gbps > 0 && dev.hbm_gbps < kLeanHbmGbps; }
 
 // Lean HBM, 2-CTA clusters (B multicast): from 8 MiB of weights per expert for the store GEMMs when
-// the output is at least 3072 wide (H100, 28 keys: 120B's dX~ 12.2 -> 6.5 ms, Qwen3-235B's
-// down-proj x1.63, Kimi-K2 x1.8-1.95; at N <= 2880 the pair lost or tied: d2880, gpt-oss-20b's
-// down-proj, E8 K1 n16384's x0.90; but gpt-oss-20b's and d2880's dX~, 31.6 MiB at N = 2880, gained
-// x1.2 / x1.7 over the unpaired ping-pong), from 16 MiB for the gathered GEMMs (up-proj: Qwen2-57B x1.54,
+// the output is at least 3072 wide or not a multiple of 256 (H100, 28 keys: 120B's dX~ 12.2 -> 6.5 ms,
+// Qwen3-235B's down-proj x1.63, Kimi-K2 x1.8-1.95; at N = 2048 the pair lost: E8 K1 n16384's x0.90).
+// N = 2880 (ping-pong 128 x 192 at any K): gpt-oss-20b's and d2880's dX~ (31.6 MiB) gained x1.2 / x1.7
+// over the unpaired ping-pong; their down-proj (15.8 MiB) first measured a tie and x1.23 (21eb13d),
+// re-measured x1.11 and x1.38 alone (f2489b8) and x1.14-1.19 in the layer (gpt-oss-20b, four rounds:
+// bench/results/h100/layer_candidates.md), hence no 24 MiB floor there any more; held out (12 shapes with
+// N % 256 != 0 below 3072, 16 stages it pairs, six interleaved rounds) x1.19 geomean, x1.18-1.23 per round
+// (bench/results/h100/rule_patches_ab.md). From 16 MiB for the gathered GEMMs (up-proj: Qwen2-57B x1.54,
 // DeepSeek-V3.2 x2.1; T12345 at 13.8 MiB and Qwen1.5 at 11 MiB lost 4-7%). Experts must average
 // more than one 128-row tile (a pair of M-tiles shares each B tile; at 64 rows per expert the
 // second is padding: few d4096 n1536 T2048's dX~ lost 8%); 170 rows already gained (E384 K8).
 bool lean_cluster(const VarlenMArgs& a, int64_t weight_bytes) {
   if (a.rows <= int64_t{128} * a.num_experts) return false;
   if (a.epilogue == Epilogue::kStore)
-    return weight_bytes >= (int64_t{8} << 20) && (a.N >= 3072 || (a.N % 256 != 0 && weight_bytes >= (int64_t{24} << 20)));
+    return weight_bytes >= (int64_t{8} << 20) && (a.N >= 3072 || a.N % 256 != 0);
   return weight_bytes >= (int64_t{16} << 20);
 }
 
 // Lean HBM, the 64 x 256 pairs of the gathered GEMMs (N % 256 == 0 checked by the caller).
-// up-proj: only at d <= 2048 with <= 2048 rows per expert (7B, K1 E16, d1024 n512 E256: x1.02-1.04;
-// at longer d cooperative 128 x 256 won by 8-27%: 30B, 120B, Qwen3-235B, T20000, T12345).
+// up-proj: only where experts average at most one 128-row tile. Alone they won 0-4% at d <= 2048
+// (7B, K1 E16, d1024 n512 E256), but in the layer cooperative 128 x 256 beat them on all 11 such shapes
+// (x1.02-1.12 in the lowest round, 7 of them in all four rounds: bench/results/h100/layer_candidates.md);
+// at 64 rows per expert (few d4096 n1536 T2048, 24 MiB) the pairs won x1.04-1.06 in every round and 4%
+// alone: a pair then covers the expert's rows once, so its weights stream once whatever their size.
+// Held out (19 drawn shapes it changes, six rounds): x1.07 geomean, x1.06-1.10 per round. It loses where it
+// takes the pairs away on d1024 with 1024-2048 rows per expert (x0.96-0.97) and T3001 d1536 (x0.93): no clean
+// line separates those from the d768-2048 shapes that gain (bench/results/h100/rule_patches_ab.md).
 // dA': from N = 768, at d <= 2048 or N >= 1536 (OLMoE x1.07, 7B n1024 x1.06, Qwen3-235B, DSV2;
 // 120B's N = 1024 at d = 4096 lost 9%), below 16 MiB of weights (above, the 128 x 128 pairs won:
 // DeepSeek-V3.2 x1.18, Qwen2-57B x1.21 over the 64 x 256 pairs).
 bool lean_pp64(const VarlenMArgs& a, int64_t weight_bytes) {
   if (a.epilogue == Epilogue::kSwiGLU)
-    return a.N >= 512 && a.K <= 2048 && a.rows <= int64_t{2048} * a.num_experts && weight_bytes < (int64_t{16} << 20);
+    return a.N >= 512 && a.rows <= int64_t{128} * a.num_experts;
   if (a.epilogue == Epilogue::kDSwiGLU) return a.N >= 768 && (a.K <= 2048 || a.N >= 1536) && weight_bytes < (int64_t{16} << 20);
   return false;
 }

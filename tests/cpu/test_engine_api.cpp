@@ -446,19 +446,30 @@ TEST(EngineApi, LeanHbmRules) {
   // OLMoE-7B: dA' at d = 2048 on the 64 x 256 pairs; dX~ (8 MiB, N 2048) cooperative, not ping-pong.
   EXPECT_EQ(pick(Ep::kDSwiGLU, W::kKN, 1024, 2048, 64, 262144), "da_dswiglu_pp64_c2<256>");
   EXPECT_EQ(pick(Ep::kStore, W::kKN, 2048, 2048, 64, 262144), "dx_store<256>");
-  // DeepSeek-V3.2's dA' (28 MiB, d 7168): cooperative 128 x 256 in pairs; 7B n256 (d 1536): the
-  // 64 x 256 pairs for the up-proj.
+  // DeepSeek-V3.2's dA' (28 MiB, d 7168): cooperative 128 x 256 in pairs.
   EXPECT_EQ(pick(Ep::kDSwiGLU, W::kKN, 2048, 7168, 256, 262144), "da_dswiglu_c2<256>");
-  EXPECT_EQ(pick(Ep::kSwiGLU, W::kNK, 512, 1536, 128, 196608), "up_swiglu_pp64_c2<256>");
+  // The up-proj's 64 x 256 pairs only where experts average at most one 128-row tile, at any d and
+  // weight size (few d4096 n1536 T2048: 64 rows per expert, 24 MiB); 7B n256 (1536 rows per expert)
+  // cooperative 128 x 256.
+  EXPECT_EQ(pick(Ep::kSwiGLU, W::kNK, 512, 1536, 128, 196608), "up_swiglu<256>");
+  EXPECT_EQ(pick(Ep::kSwiGLU, W::kNK, 3072, 4096, 256, 16384), "up_swiglu_pp64_c2<256>");
+  EXPECT_EQ(pick(Ep::kSwiGLU, W::kNK, 1024, 2048, 64, 128 * 64), "up_swiglu_pp64_c2<256>");
+  EXPECT_EQ(pick(Ep::kSwiGLU, W::kNK, 1024, 2048, 64, 128 * 64 + 1).find("pp64"), std::string::npos);
   // dA' from d = kLeanCoopDSwiGLUMinK (3584): cooperative 128 x 256 (Qwen2-57B d3584 n2560, 17.5 MiB,
   // in pairs); below it the rules before (T20000 d3072 n768: 128 x 128 ping-pong), and never at
   // N % 256 != 0 (d6144 n2880: the 128 x 128 pairs).
   EXPECT_EQ(pick(Ep::kDSwiGLU, W::kKN, 2560, 3584, 64, 262144), "da_dswiglu_c2<256>");
   EXPECT_EQ(pick(Ep::kDSwiGLU, W::kKN, 768, 3072, 96, 120000), "da_dswiglu_pp<128>");
   EXPECT_EQ(pick(Ep::kDSwiGLU, W::kKN, 2880, 6144, 64, 196608), "da_dswiglu_pp_c2<128>");
-  // gpt-oss-20b's dX~ (N 2880, 31.6 MiB) in pairs; its down-proj (15.8 MiB) not.
+  // gpt-oss-20b's dX~ (N 2880, 31.6 MiB) and down-proj (15.8 MiB) in pairs, and d2880 E128's down-proj
+  // (512 rows per expert); below 8 MiB (N 2880, K 1408: 7.7 MiB) and at one M-tile per expert not.
   EXPECT_EQ(pick(Ep::kStore, W::kKN, 2880, 5760, 32, 65536), "dx_store_pp_c2<192>");
-  EXPECT_EQ(pick(Ep::kStore, W::kNK, 2880, 2880, 32, 65536), "down_store_pp<192>");
+  EXPECT_EQ(pick(Ep::kStore, W::kNK, 2880, 2880, 32, 65536), "down_store_pp_c2<192>");
+  EXPECT_EQ(pick(Ep::kStore, W::kNK, 2880, 2880, 128, 65536), "down_store_pp_c2<192>");
+  EXPECT_EQ(pick(Ep::kStore, W::kNK, 2880, 1408, 32, 65536), "down_store_pp<192>");
+  EXPECT_EQ(pick(Ep::kStore, W::kNK, 2880, 2880, 128, 16384), "down_store_pp<192>");
+  // N % 256 == 0 below 3072 keeps its floor (E8 K1 n16384's down-proj, N 2048, 64 MiB: no pair).
+  EXPECT_EQ(pick(Ep::kStore, W::kNK, 2048, 16384, 8, 65536).find("_c2"), std::string::npos);
   // One 64-row tile per expert: no pairs (the second M-tile would be padding).
   EXPECT_EQ(pick(Ep::kStore, W::kKN, 4096, 3072, 256, 16384), "dx_store<256>");
   // Short-K stores keep the staged ping-pong (30B n256's down-proj, K = 256).
