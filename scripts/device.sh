@@ -31,7 +31,8 @@
 #             or several files comma-separated, e.g. adding sweep_configs.json and wide_configs.json).
 #             SONIC_BUDGET (570 s from the script's start) caps both. SONIC_STAGE=profile (after warm, as
 #             run): bench/drivers/sonic_profile.py, both systems' kernels one by one (torch.profiler) on
-#             SONIC_PROFILE_CONFIGS (default the large six) -> $OUT/sonic/profile/{<config>.<system>.md,profile.json}
+#             SONIC_PROFILE_CONFIGS (default the large six) -> $OUT/sonic/profile/{<config>.<system>.md,profile.json};
+#             SONIC_PROFILE_RESUME=<an earlier call's profile.json, copied into the tree>: profile only what it lacks
 #   tune      the engine tuner's evidence: for each configs file of TUNE_CONFIGS (default
 #             bench/configs/configs.json and bench/configs/wide_configs.json; the 41 shapes for
 #             re-deriving the heuristic add sweep_configs.json and tune_extra_configs.json) build/smoe_tune into a
@@ -438,7 +439,8 @@ step_sonic() {
         # Both systems' kernels one by one in one process, same inputs (bench/drivers/sonic_profile.py):
         # which of SonicMoE's GEMMs / sums beats ours. After a warm stage, as run.
         xt -a "$d/profile.log" "$(left)" python3 bench/drivers/sonic_profile.py \
-          --configs "${SONIC_PROFILE_CONFIGS:-$SONIC_LARGE_SIX}" --out "$d/profile" --commit "$COMMIT" || rc=1 ;;
+          --configs "${SONIC_PROFILE_CONFIGS:-$SONIC_LARGE_SIX}" --out "$d/profile" --commit "$COMMIT" \
+          ${SONIC_PROFILE_RESUME:+--resume "$SONIC_PROFILE_RESUME"} || rc=1 ;;
       *) say "SONIC_STAGE must be warm, run or profile"; rc=1 ;;
     esac
   else

@@ -9,7 +9,10 @@ Per config and system: the same inputs as bench/drivers/side_by_side.py (torch_b
 forward + backward --warmup times (SonicMoE's JIT compiles and autotunes there), then --iters profiled
 iterations; DIR/<config>.<system>.md lists every kernel name with its calls and ms per iteration, largest
 first, and the sum (= the system's GPU time per forward + backward, gaps between kernels excluded);
-DIR/profile.json holds both tables per config.
+DIR/profile.json holds both tables per config, rewritten after each, so a call cut at its time limit keeps
+what finished. --resume PREV.json (an earlier call's profile.json, same commit and GPU) keeps its tables and
+profiles only the (config, system) pairs it lacks: on a warm machine a second call goes on where the first
+was cut (scripts/device.sh: SONIC_PROFILE_RESUME).
 """
 import argparse
 import json
@@ -18,8 +21,27 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # side_by_side (bench/drivers)
-import torch  # noqa: E402
-import side_by_side as sbs  # noqa: E402
+import side_by_side as sbs  # noqa: E402  (imports without torch: the CPU tests of the helpers below)
+
+torch = sbs.torch
+
+
+def pending(doc, names, systems):
+    """The (config, system) pairs still to profile: those the (resumed) document does not hold."""
+    have = doc.get("configs", {})
+    return [(n, s) for n in names for s in systems if s not in have.get(n, {})]
+
+
+def resumed(path, commit, gpu, iters):
+    """An earlier call's profile.json to go on from; refused if it was made at another commit, on another
+    GPU model or with another --iters (its tables would not compare with the new ones)."""
+    doc = json.load(open(path))
+    for key, want in (("commit", commit), ("gpu", gpu), ("iters", iters)):
+        if doc.get(key) != want:
+            sys.exit(f"--resume {path}: its {key} is {doc.get(key)!r}, this run's {want!r}; tables of different "
+                     f"{key}s do not compare: resume only a profile of the same commit, GPU and --iters")
+    doc.setdefault("configs", {})
+    return doc
 
 
 def profile_config(cfg, args, device, system):
@@ -72,6 +94,7 @@ def main():
     ap.add_argument("--systems", default="sonicmoe,ours", help="which of sonicmoe,ours to profile")
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--resume", help="an earlier call's profile.json: keep its tables, profile only what it lacks")
     args = ap.parse_args()
     systems = [x for x in args.systems.split(",") if x]
     bad = [x for x in systems if x not in ("sonicmoe", "ours")]
@@ -84,26 +107,34 @@ def main():
     missing = [n for n in args.configs.split(",") if n not in cfgs]
     if missing:
         sys.exit(f"--configs: {missing} not in {args.configs_file}")
+    if torch is None:
+        sys.exit(f"torch does not import ({sbs.TORCH_REASON}): run this on the GPU machine")
     device = torch.device("cuda")
-    doc = {"commit": args.commit, "gpu": torch.cuda.get_device_name(device), "iters": args.iters, "configs": {}}
-    for name in args.configs.split(","):
-        for system in systems:
-            warm_s, table = profile_config(cfgs[name], args, device, system)
-            total = sum(ms for _, _, ms in table)
-            lines = [f"# {system} kernels, {name} (forward + backward, ms per iteration over {args.iters}; "
-                     f"warm-up {warm_s:.0f} s)", "", "| kernel | calls | ms |", "|---|---|---|"]
-            lines += [f"| {n[:150]} | {c:g} | {ms:.3f} |" for n, c, ms in table]
-            lines.append(f"| **sum** | | **{total:.3f}** |")
-            path = os.path.join(args.out, name.replace(" ", "_") + f".{system}.md")
-            open(path, "w").write("\n".join(lines) + "\n")
-            print("\n".join(lines[:3] + [f"{ms:8.3f}  {c:g}x  {n[:110]}" for n, c, ms in table[:25]]), flush=True)
-            print(f"sum {total:.3f} ms", flush=True)
-            doc["configs"].setdefault(name, {})[system] = {
-                "sum_ms": total, "warmup_s": warm_s,
-                "kernels": [{"name": n, "calls": c, "ms": ms} for n, c, ms in table]}
-            # Rewritten after every table: a call cut at its limit keeps what finished.
-            json.dump(doc, open(os.path.join(args.out, "profile.json"), "w"), indent=1)
-            torch.cuda.empty_cache()
+    gpu = torch.cuda.get_device_name(device)
+    doc = (resumed(args.resume, args.commit, gpu, args.iters) if args.resume
+           else {"commit": args.commit, "gpu": gpu, "iters": args.iters, "configs": {}})
+    todo = pending(doc, args.configs.split(","), systems)
+    if args.resume:
+        print(f"resumed {args.resume}: {len(todo)} of {len(args.configs.split(',')) * len(systems)} tables to go",
+              flush=True)
+        json.dump(doc, open(os.path.join(args.out, "profile.json"), "w"), indent=1)
+    for name, system in todo:
+        warm_s, table = profile_config(cfgs[name], args, device, system)
+        total = sum(ms for _, _, ms in table)
+        lines = [f"# {system} kernels, {name} (forward + backward, ms per iteration over {args.iters}; "
+                 f"warm-up {warm_s:.0f} s)", "", "| kernel | calls | ms |", "|---|---|---|"]
+        lines += [f"| {n[:150]} | {c:g} | {ms:.3f} |" for n, c, ms in table]
+        lines.append(f"| **sum** | | **{total:.3f}** |")
+        path = os.path.join(args.out, name.replace(" ", "_") + f".{system}.md")
+        open(path, "w").write("\n".join(lines) + "\n")
+        print("\n".join(lines[:3] + [f"{ms:8.3f}  {c:g}x  {n[:110]}" for n, c, ms in table[:25]]), flush=True)
+        print(f"sum {total:.3f} ms", flush=True)
+        doc["configs"].setdefault(name, {})[system] = {
+            "sum_ms": total, "warmup_s": warm_s,
+            "kernels": [{"name": n, "calls": c, "ms": ms} for n, c, ms in table]}
+        # Rewritten after every table: a call cut at its limit keeps what finished.
+        json.dump(doc, open(os.path.join(args.out, "profile.json"), "w"), indent=1)
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -283,3 +283,8 @@ def test_sonic_profile_stage_profiles_the_large_six_or_the_named_configs(tmp_pat
     bad = subprocess.run(["bash", str(ROOT / "scripts" / "device.sh"), "sonic"], cwd=ROOT,
                          env=dict(e, SONIC_STAGE="bogus"), capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "SONIC_STAGE must be warm, run or profile" in bad.stdout
+    assert "--resume" not in line
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "device.sh"), "sonic"], cwd=ROOT,
+                       env=dict(e, SONIC_PROFILE_RESUME=".devrun/prev.json"), capture_output=True, text=True, timeout=60)
+    line = next(x for x in r.stdout.splitlines() if "sonic_profile.py" in x)
+    assert line.endswith("--resume .devrun/prev.json &> " + str(tmp_path / "out" / "sonic" / "profile.log")), line

@@ -1,0 +1,31 @@
+"""bench/drivers/sonic_profile.py's resume helpers (no torch, no GPU): which (config, system) tables a resumed
+profile.json still lacks, and the refusal to mix commits, GPUs or --iters in one document."""
+import importlib.util
+import json
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+spec = importlib.util.spec_from_file_location("sonic_profile", ROOT / "bench" / "drivers" / "sonic_profile.py")
+sp = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(sp)
+
+
+def test_pending_skips_what_the_document_holds():
+    doc = {"configs": {"A": {"sonicmoe": {}, "ours": {}}, "B": {"sonicmoe": {}}}}
+    assert sp.pending(doc, ["A", "B", "C"], ["sonicmoe", "ours"]) == [("B", "ours"), ("C", "sonicmoe"), ("C", "ours")]
+    assert sp.pending({}, ["A"], ["ours"]) == [("A", "ours")]
+
+
+def test_resumed_keeps_a_matching_document_and_refuses_another(tmp_path):
+    prev = tmp_path / "profile.json"
+    prev.write_text(json.dumps({"commit": "c1", "gpu": "H100", "iters": 5, "configs": {"A": {"ours": {"sum_ms": 1.0}}}}))
+    doc = sp.resumed(str(prev), "c1", "H100", 5)
+    assert doc["configs"]["A"]["ours"]["sum_ms"] == 1.0
+    for args, what in ((("c2", "H100", 5), "its commit is 'c1', this run's 'c2'"),
+                       (("c1", "H200", 5), "its gpu is 'H100', this run's 'H200'"),
+                       (("c1", "H100", 3), "its iters is 5, this run's 3")):
+        with pytest.raises(SystemExit) as e:
+            sp.resumed(str(prev), *args)
+        assert what in str(e.value)
