@@ -144,6 +144,10 @@ def score_md(rows, noise):
         t_a, t_b = sum(r["a_ms"] for r in rows), sum(r["b_ms"] for r in rows)
         out.append(f"Changed stages: {len(rows)}, geomean a / b {geomean([r['ratio'] for r in rows]):.3f}, "
                    f"time-weighted {t_a / t_b:.3f} ({t_a:.1f} ms / {t_b:.1f} ms).")
+        # The landing test (docs/wip/README.md): the changed stages above the noise in every round, each round's
+        # ratios paired within the round (its two sides ran minutes apart at most).
+        per_round = [geomean([r["rounds"][i] for r in rows]) for i in range(len(rows[0]["rounds"]))]
+        out.append(f"Per round, the changed stages' geomean a / b: {' / '.join(f'{x:.3f}' for x in per_round)}.")
         for stage in STAGE.values():
             xs = [r["ratio"] for r in rows if r["stage"] == stage]
             if xs:

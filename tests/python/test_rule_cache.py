@@ -116,3 +116,6 @@ def test_score_takes_the_changed_stages_lowest_pass_and_rounds(tmp_path):
     md = rc.score_md(rows, noise)
     assert "| big | bwd.dA_proj | da_old -> da_new | 2.000 | 1.500 | 1.333 | 2.00 / 0.50 |" in md
     assert "Changed stages: 1" in md and "Unchanged GEMM stages" in md
+    assert "Per round, the changed stages' geomean a / b: 2.000 / 0.500." in md
+    two = rc.score_md(rows + [dict(rows[0], stage="fwd.up_proj", rounds=[0.5, 2.0])], noise)
+    assert "Per round, the changed stages' geomean a / b: 1.000 / 1.000." in two
