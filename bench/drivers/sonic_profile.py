@@ -9,7 +9,8 @@ Per config and system: the same inputs as bench/drivers/side_by_side.py (torch_b
 forward + backward --warmup times (SonicMoE's JIT compiles and autotunes there), then --iters profiled
 iterations; DIR/<config>.<system>.md lists every kernel name with its calls and ms per iteration, largest
 first, and the sum (= the system's GPU time per forward + backward, gaps between kernels excluded);
-DIR/profile.json holds both tables per config, rewritten after each, so a call cut at its time limit keeps
+DIR/profile.json holds both tables per config (and one iteration's kernels in launch order, which names
+each GEMM where a kernel serves several), rewritten after each, so a call cut at its time limit keeps
 what finished. --resume PREV.json (an earlier call's profile.json, same commit and GPU) keeps its tables and
 profiles only the (config, system) pairs it lacks: on a warm machine a second call goes on where the first
 was cut (scripts/device.sh: SONIC_PROFILE_RESUME).
@@ -30,6 +31,18 @@ def pending(doc, names, systems):
     """The (config, system) pairs still to profile: those the (resumed) document does not hold."""
     have = doc.get("configs", {})
     return [(n, s) for n in names for s in systems if s not in have.get(n, {})]
+
+
+def launch_order(events, iters):
+    """One iteration's kernels in launch order, [{"name", "ms"}], from the profiled CUDA events
+    [(start_us, name, duration_us)] of `iters` identical iterations; None when the count does not split
+    evenly (then the iterations differed and no one of them stands for the others). The aggregated
+    table cannot say which GEMM a kernel is when one kernel serves several (SonicMoE's autotuned quack
+    GEMMs share names); the order can (sonic_profile_report.py, launch-order table)."""
+    if not events or iters <= 0 or len(events) % iters:
+        return None
+    first = sorted(events, key=lambda e: e[0])[:len(events) // iters]
+    return [{"name": name, "ms": dur / 1e3} for _, name, dur in first]
 
 
 def resumed(path, commit, gpu, iters):
@@ -72,16 +85,18 @@ def profile_config(cfg, args, device, system):
         for _ in range(args.iters):
             step()
         torch.cuda.synchronize()
-    rows = {}
+    rows, events = {}, []
     for ev in prof.events():
         if ev.device_type != torch.autograd.DeviceType.CUDA:
             continue
+        us = ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
         r = rows.setdefault(ev.name, [0, 0.0])
         r[0] += 1
-        r[1] += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+        r[1] += us
+        events.append((ev.time_range.start, ev.name, us))
     table = sorted(((name, c / args.iters, us / args.iters / 1e3) for name, (c, us) in rows.items()),
                    key=lambda r: -r[2])
-    return warm_s, table
+    return warm_s, table, launch_order(events, args.iters)
 
 
 def main():
@@ -119,7 +134,7 @@ def main():
               flush=True)
         json.dump(doc, open(os.path.join(args.out, "profile.json"), "w"), indent=1)
     for name, system in todo:
-        warm_s, table = profile_config(cfgs[name], args, device, system)
+        warm_s, table, sequence = profile_config(cfgs[name], args, device, system)
         total = sum(ms for _, _, ms in table)
         lines = [f"# {system} kernels, {name} (forward + backward, ms per iteration over {args.iters}; "
                  f"warm-up {warm_s:.0f} s)", "", "| kernel | calls | ms |", "|---|---|---|"]
@@ -131,7 +146,7 @@ def main():
         print(f"sum {total:.3f} ms", flush=True)
         doc["configs"].setdefault(name, {})[system] = {
             "sum_ms": total, "warmup_s": warm_s,
-            "kernels": [{"name": n, "calls": c, "ms": ms} for n, c, ms in table]}
+            "kernels": [{"name": n, "calls": c, "ms": ms} for n, c, ms in table], "sequence": sequence}
         # Rewritten after every table: a call cut at its limit keeps what finished.
         json.dump(doc, open(os.path.join(args.out, "profile.json"), "w"), indent=1)
         torch.cuda.empty_cache()

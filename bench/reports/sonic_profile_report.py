@@ -10,6 +10,9 @@ are named by their epilogue (EpiSwiGLU: up-proj; EpiDSwiGLU: dA'); the other fou
 dW2) share templates, so they are one role, "store GEMMs", on both sides. A name no pattern knows goes to
 "other" and is listed under the table, so a new kernel is seen, not dropped. ms are per forward + backward
 (profiler sums over the profiled iterations / iterations; gaps between kernels are not in them).
+Where profile.json holds each system's launch order (sonic_profile.py's "sequence"), a second table names
+every GEMM by its place in the order (SONIC_GEMM_ORDER, OURS_GEMM_ORDER): SonicMoE's autotuned GEMMs share
+kernel names across GEMMs, so only the order says which one is faster.
 """
 
 import argparse
@@ -51,6 +54,46 @@ def by_role(kernels):
     return out, other
 
 
+# GEMM roles in launch order. SonicMoE (sonicmoe/functional/__init__.py at 0.1.2.post1): forward up-proj, down-proj;
+# backward _DownProjection (dA', then dW2), then _UpProjection (dX~, then dW1). Ours (src/moe/forward.cu,
+# backward.cu): up-proj, down-proj; dA', dW2, dW1 (one launch, or two with separate gate / up weights), dX~.
+SONIC_GEMM_ORDER = ["up-proj", "down-proj", "dA'", "dW2", "dX~", "dW1"]
+OURS_GEMM_ORDER = ["up-proj", "down-proj", "dA'", "dW2", "dW1", "dX~"]
+
+
+def is_gemm(name):
+    return role_of(name) in ROLE_NAMES[1:4]
+
+
+def gemm_roles(sequence, order):
+    """{role: ms} of one iteration's GEMM launches, named by their place in `order`; our dW1 may be two
+    launches (separate gate / up weights: both count as dW1). None when the launches do not fit the order
+    (another version or path: then the aggregated table is all there is)."""
+    if not sequence:
+        return None
+    gemms = [k for k in sequence if is_gemm(k["name"])]
+    n = len(order)
+    if len(gemms) == n + 1 and order == OURS_GEMM_ORDER and "varlenk" in gemms[4]["name"].lower() \
+            and "varlenk" in gemms[5]["name"].lower():
+        gemms = gemms[:4] + [{"name": gemms[4]["name"], "ms": gemms[4]["ms"] + gemms[5]["ms"]}] + gemms[6:]
+    if len(gemms) != n:
+        return None
+    return {role: k["ms"] for role, k in zip(order, gemms)}
+
+
+def gemm_table(systems):
+    """Markdown lines: each GEMM's ms, ours beside SonicMoE's, from both launch orders; [] if either is missing."""
+    ours = gemm_roles(systems["ours"].get("sequence"), OURS_GEMM_ORDER)
+    sonic = gemm_roles(systems["sonicmoe"].get("sequence"), SONIC_GEMM_ORDER)
+    if ours is None or sonic is None:
+        return []
+    lines = ["", "Per GEMM (one profiled iteration, by launch order):", "",
+             "| GEMM | ours ms | SonicMoE ms | sonic / ours |", "|---|---|---|---|"]
+    for role in SONIC_GEMM_ORDER:
+        lines.append(f"| {role} | {ours[role]:.3f} | {sonic[role]:.3f} | {sonic[role] / ours[role]:.2f} |")
+    return lines
+
+
 def report(doc):
     lines = [f"Kernel time by role, ms per forward + backward (commit {doc.get('commit')}, {doc.get('gpu')}, "
              f"{doc.get('iters')} profiled iterations); `sonic / ours` > 1: ours is faster.", ""]
@@ -68,6 +111,7 @@ def report(doc):
             lines.append(f"| {r} | {ours[r]:.3f} | {sonic[r]:.3f} | {ratio} |")
         to, ts = systems["ours"]["sum_ms"], systems["sonicmoe"]["sum_ms"]
         lines.append(f"| **all kernels** | **{to:.3f}** | **{ts:.3f}** | **{ts / to:.2f}** |")
+        lines += gemm_table(systems)
         for who, other in (("ours", ours_other), ("SonicMoE", sonic_other)):
             if other:
                 lines.append("")

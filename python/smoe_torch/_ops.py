@@ -73,17 +73,36 @@ def _split_dw1(dw1, w3):
     return (dw1, None) if w3 is None else (dw1[0], dw1[1])
 
 
+def _saved_takes_no_grad(ctx, saved):
+    """The saved state (uint8) carries no gradient, and the backward gets None for it, not zeros.
+
+    By default the autograd engine materializes a zero tensor for every output without a gradient and
+    passes it to backward: here one as large as the saved state (4TKn bytes: 1.6 GB at Qwen3-235B),
+    allocated and filled on every backward. On the H100 that fill took 0.16-0.52 ms of a 13-48 ms step on
+    the large public configs (bench/results/h100/sonic_profile.md) and raised the backward's peak by the
+    saved state's size. So grads are not materialized; the output's gradient is then None only where no
+    gradient reached it, which _dout handles."""
+    ctx.mark_non_differentiable(saved)
+    ctx.set_materialize_grads(False)
+
+
+def _dout(dout, like):
+    """The output's gradient, contiguous; zeros where the engine passed None (no gradient reached the
+    output, possible once grads are not materialized)."""
+    return torch.zeros_like(like) if dout is None else dout.contiguous()
+
+
 def _setup_context(ctx, inputs, output):
     x, w_router, w1, w2, top_k, w3 = inputs
     _, saved = output
     ctx.save_for_backward(x, w_router, w1, w2, saved, w3)
     ctx.top_k = top_k
-    ctx.mark_non_differentiable(saved)
+    _saved_takes_no_grad(ctx, saved)
 
 
 def _backward(ctx, dout, _dsaved):
     x, w_router, w1, w2, saved, w3 = ctx.saved_tensors
-    dx, dwr, dw1, dw2 = ops.moe_backward(dout.contiguous(), x, w_router, w1, w2, saved, ctx.top_k, w3)
+    dx, dwr, dw1, dw2 = ops.moe_backward(_dout(dout, x), x, w_router, w1, w2, saved, ctx.top_k, w3)
     dw1, dw3 = _split_dw1(dw1, w3)
     return dx, dwr, dw1, dw2, None, dw3
 
@@ -95,12 +114,12 @@ def _setup_context_tr(ctx, inputs, output):
     x, w_router, w1, w2, top_k, rounding, _seed, w3 = inputs
     ctx.save_for_backward(x, w_router, w1, w2, output[1], w3)
     ctx.top_k, ctx.rounding = top_k, rounding
-    ctx.mark_non_differentiable(output[1])
+    _saved_takes_no_grad(ctx, output[1])
 
 
 def _backward_tr(ctx, dout, _dsaved):
     x, w_router, w1, w2, saved, w3 = ctx.saved_tensors
-    dx, dwr, dw1, dw2 = ops.moe_backward_tr(dout.contiguous(), x, w_router, w1, w2, saved, ctx.top_k, ctx.rounding, w3)
+    dx, dwr, dw1, dw2 = ops.moe_backward_tr(_dout(dout, x), x, w_router, w1, w2, saved, ctx.top_k, ctx.rounding, w3)
     dw1, dw3 = _split_dw1(dw1, w3)
     return dx, dwr, dw1, dw2, None, None, None, dw3
 
@@ -112,12 +131,12 @@ def _setup_context_routed(ctx, inputs, output):
     x, w1, w2, expert, _scores, w3 = inputs
     ctx.save_for_backward(x, w1, w2, output[1], w3)
     ctx.top_k = expert.shape[1]
-    ctx.mark_non_differentiable(output[1])
+    _saved_takes_no_grad(ctx, output[1])
 
 
 def _backward_routed(ctx, dout, _dsaved):
     x, w1, w2, saved, w3 = ctx.saved_tensors
-    dx, dw1, dw2, dscores = ops.moe_backward_routed(dout.contiguous(), x, w1, w2, saved, ctx.top_k, w3)
+    dx, dw1, dw2, dscores = ops.moe_backward_routed(_dout(dout, x), x, w1, w2, saved, ctx.top_k, w3)
     dw1, dw3 = _split_dw1(dw1, w3)
     return dx, dw1, dw2, None, dscores, dw3
 
@@ -179,11 +198,12 @@ def _ep_setup_context(ctx, inputs, output):
     handle, x, _expert, _scores, w1, w2 = inputs
     ctx.handle = handle
     ctx.save_for_backward(x, w1, w2, output[1])
+    _saved_takes_no_grad(ctx, output[1])
 
 
 def _ep_backward(ctx, dout, _dsaved):
     x, w1, w2, saved = ctx.saved_tensors
-    dx, dscores, dw1, dw2 = ops.ep_backward(ctx.handle, dout.contiguous(), x, w1, w2, saved)
+    dx, dscores, dw1, dw2 = ops.ep_backward(ctx.handle, _dout(dout, x), x, w1, w2, saved)
     return None, dx, None, dscores, dw1, dw2
 
 

@@ -29,3 +29,10 @@ def test_resumed_keeps_a_matching_document_and_refuses_another(tmp_path):
         with pytest.raises(SystemExit) as e:
             sp.resumed(str(prev), *args)
         assert what in str(e.value)
+
+
+def test_launch_order_takes_the_first_of_identical_iterations():
+    events = [(30, "b", 2000.0), (10, "a", 1000.0), (50, "a", 1100.0), (70, "b", 2100.0)]
+    assert sp.launch_order(events, 2) == [{"name": "a", "ms": 1.0}, {"name": "b", "ms": 2.0}]
+    assert sp.launch_order(events[:3], 2) is None  # uneven: the iterations differed
+    assert sp.launch_order([], 5) is None

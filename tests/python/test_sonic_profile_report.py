@@ -34,3 +34,27 @@ def test_report_sums_and_ratio():
     assert "| dA' (dSwiGLU + dS) | 2.000 | 5.000 | 2.50 |" in text
     assert "| **all kernels** | **3.000** | **6.000** | **2.00** |" in text
     assert "`fill_kernel_x` 1.000" in text and "only ours profiled" in text
+
+
+def test_launch_order_names_each_gemm():
+    ours = [{"name": n, "ms": ms} for n, ms in (
+        ("nvjet_router", 0.1), ("engine_kernel<VarlenMKernel, EpiSwiGLUT>", 3.0), ("engine_kernel<VarlenMKernel, EpiStore>", 1.0),
+        ("gather_sum_kernel", 0.5), ("engine_kernel<VarlenMKernel, EpiDSwiGLUT>", 2.0),
+        ("engine_kernel<VarlenKKernel, EpiStoreTma>", 1.5), ("engine_kernel<VarlenKKernel, EpiStoreTma>", 1.25),
+        ("engine_kernel<VarlenKKernel, EpiStoreTma>", 1.25), ("engine_kernel<VarlenMKernel, EpiStore>", 2.5))]
+    # our dW1 in two launches (separate gate / up weights) counts once
+    assert spr.gemm_roles(ours, spr.OURS_GEMM_ORDER) == {
+        "up-proj": 3.0, "down-proj": 1.0, "dA'": 2.0, "dW2": 1.5, "dW1": 2.5, "dX~": 2.5}
+    same = "quackgemm_default_epiGemmDefaultSm90_coop"
+    sonic = [{"name": n, "ms": ms} for n, ms in (
+        ("quackgemm_actGemmGatedSm90", 2.0), (same, 1.0), ("token_gather_sum_kernel", 0.4),
+        ("quackgemm_dactGemmDGatedSm90", 2.0), (same, 1.0), ("quackgemm_default_pp", 2.0), (same, 2.0))]
+    assert spr.gemm_roles(sonic, spr.SONIC_GEMM_ORDER) == {
+        "up-proj": 2.0, "down-proj": 1.0, "dA'": 2.0, "dW2": 1.0, "dX~": 2.0, "dW1": 2.0}
+    assert spr.gemm_roles(sonic[:-1], spr.SONIC_GEMM_ORDER) is None  # a GEMM missing: no guess
+    doc = {"configs": {"c": {"ours": {"sum_ms": 1, "kernels": ours, "sequence": ours},
+                             "sonicmoe": {"sum_ms": 1, "kernels": sonic, "sequence": sonic}}}}
+    text = spr.report(doc)
+    assert "| dW1 | 2.500 | 2.000 | 0.80 |" in text and "| dX~ | 2.500 | 2.000 | 0.80 |" in text
+    del doc["configs"]["c"]["sonicmoe"]["sequence"]  # an older profile.json: the role table only
+    assert "Per GEMM" not in spr.report(doc)

@@ -519,6 +519,46 @@ def test_zero_tokens_through_every_op():
         assert gw2 is not None and gw2.abs().sum().item() == 0, name
 
 
+@pytest.mark.parametrize("op", ["moe_forward", "moe_forward_tr", "moe_forward_routed"])
+def test_backward_allocates_no_gradient_for_the_saved_state(op):
+    """The saved state (an output) takes no gradient (_ops._saved_takes_no_grad): the autograd backward
+    needs no more memory than the backward op called directly. Before, the engine allocated and
+    zero-filled a tensor of the saved state's size (4TKn bytes) on every backward; this shape makes that
+    the larger of the two by far (saved 67 MB against 2 MB per weight), so the check fails then."""
+    T, d, n, E, K = 8192, 256, 512, 8, 4
+    x, wr, w1, w2, w3, dout = draw(T, d, n, E, K, fresh_gen())
+    leaves = [t.clone().requires_grad_(True) for t in (x, wr, w1, w2, w3)]
+    xl, wrl, w1l, w2l, w3l = leaves
+    if op == "moe_forward_routed":
+        logits = x.float() @ wr.float().T
+        vals, expert = logits.topk(K, dim=-1)
+        scores = vals.softmax(dim=-1).requires_grad_(True)
+        expert = expert.to(torch.int32)
+        out, saved = torch.ops.smoe.moe_forward_routed(xl, w1l, w2l, expert, scores, w3l)
+        direct = lambda: torch.ops.smoe.moe_backward_routed(  # noqa: E731
+            dout, x, w1, w2, saved, K, w3)
+    elif op == "moe_forward_tr":
+        out, saved = torch.ops.smoe.moe_forward_tr(xl, wrl, w1l, w2l, K, 1, 7, w3l)
+        direct = lambda: torch.ops.smoe.moe_backward_tr(dout, x, wr, w1, w2, saved, K, 1, w3)  # noqa: E731
+    else:
+        out, saved = torch.ops.smoe.moe_forward(xl, wrl, w1l, w2l, K, w3l)
+        direct = lambda: torch.ops.smoe.moe_backward(dout, x, wr, w1, w2, saved, K, w3)  # noqa: E731
+
+    def peak_over_now(fn):
+        torch.cuda.synchronize()
+        now = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        kept = fn()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - now, kept
+
+    by_op, grads = peak_over_now(direct)
+    del grads
+    by_autograd, _ = peak_over_now(lambda: out.backward(dout))
+    assert xl.grad is not None and w2l.grad is not None
+    assert by_autograd - by_op < saved.numel() // 2, (op, by_autograd, by_op, saved.numel())
+
+
 def test_nonfinite_logits_raise_and_reset():
     T, d, n, E, K = 64, 128, 64, 8, 2
     x = torch.randn(T, d, device="cuda").bfloat16()
