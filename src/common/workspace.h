@@ -19,11 +19,22 @@ class Carver {
     used_ += align_workspace(sizeof(T) * count);
     return reinterpret_cast<T*>(p);
   }
-  size_t used() const { return used_; }
+  // Buffers whose lifetimes do not overlap share bytes. Carve the earlier ones after
+  // overlay_begin(), call overlay_next() once they are carved, carve the later ones over them, and
+  // close the group with overlay_end(). The group spans its larger side; later takes follow it.
+  void overlay_begin() { overlay_at_ = used_; }
+  void overlay_next() {
+    high_ = used_ > high_ ? used_ : high_;
+    used_ = overlay_at_;
+  }
+  void overlay_end() { used_ = used_ > high_ ? used_ : high_; }
+  size_t used() const { return used_ > high_ ? used_ : high_; }
 
  private:
   char* base_;
   size_t used_ = 0;
+  size_t overlay_at_ = 0;
+  size_t high_ = 0;
 };
 
 }  // namespace detail

@@ -85,10 +85,17 @@ BackwardWs backward_ws(const MoEShape& s, void* base) {
   detail::Carver c(base);
   BackwardWs w{};
   if (uses_router(s)) w.cublas = c.take<char>(kCublasWorkspace);
-  w.a_prime = c.take<bf16>(rows * s.n);
   w.dH = c.take<bf16>(rows * 2 * s.n);
-  w.dXt = c.take<bf16>(rows * s.d);
+  // A' and the dS partials die with dW2 and ds_rowsum; dX~ is written after them (backward.cu: one
+  // stream, dA' -> ds_rowsum -> dW2 -> router -> dW1 -> dX~ -> dx_sum), so it takes their bytes:
+  // min(2Rn + 4R*tiles, 2Rd) bytes less at the backward's peak (0.8 GB at Qwen3-235B), what a
+  // torch allocator freeing A' before dX~ gets (SonicMoE).
+  c.overlay_begin();
+  w.a_prime = c.take<bf16>(rows * s.n);
   w.ds_partial = c.take<float>(rows * engine::ds_partial_tiles(s.n));
+  c.overlay_next();
+  w.dXt = c.take<bf16>(rows * s.d);
+  c.overlay_end();
   if (uses_router(s)) {
     w.dS = c.take<float>(rows);
     w.dlogits = c.take<bf16>(te);

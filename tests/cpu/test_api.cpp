@@ -1,11 +1,14 @@
 // Argument validation of the public API. Runs without a GPU: every rejection below must happen on
 // the host, before anything touches CUDA (the pointers are fake and never dereferenced).
+#include <algorithm>
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include <gtest/gtest.h>
 
 #include "common/grid_stride.h"
+#include "moe/memory_plan.h"
 #include "smoe/smoe.h"
 
 namespace {
@@ -288,23 +291,68 @@ TEST(LayerSizes, BackwardWorkspaceIsHostArithmetic) {
   const smoe::MoEShape s{1000, 512, 256, 16, 4};
   auto up = [](size_t b) { return (b + 255) / 256 * 256; };
   const size_t R = 4000;
-  const size_t rows_part = up(R * 256 * 2)        // A' [R][n] bf16          2048000
-                           + up(R * 512 * 2)      // dH [R][2n] bf16         4096000
-                           + up(R * 512 * 2)      // dX~ [R][d] bf16         4096000
-                           + up(R * 2 * 4)        // dS partials [R][n/128]    32000
+  // A' and the dS partials (dead after dW2) share bytes with dX~ (written after): the larger side.
+  const size_t early = up(R * 256 * 2)            // A' [R][n] bf16          2048000
+                       + up(R * 2 * 4);           // dS partials [R][n/128]    32000
+  const size_t late = up(R * 512 * 2);            // dX~ [R][d] bf16         4096000
+  const size_t rows_part = up(R * 512 * 2)        // dH [R][2n] bf16         4096000
+                           + std::max(early, late)
                            + up(4) + up(17 * 4);  // valid flag, expert_offset [E+1]: 256 + 256
   const size_t router_part = (size_t{32} << 20)     // cuBLAS workspace     33554432
                              + up(R * 4)            // dS [R] fp32             16128
                              + up(1000 * 16 * 2)    // dlogits [T][E] bf16     32000
                              + up(16 * 512 * 4)     // dW_r [E][d] fp32        32768
                              + up(4000 * 4);        // dl [T*K] fp32 (top-K)   16128
-  EXPECT_EQ(rows_part, 10272512u);
+  EXPECT_EQ(rows_part, 8192512u);
   EXPECT_EQ(router_part, 33651456u);
   EXPECT_GT(smoe::moe_backward_workspace_size(s), 0u);
-  EXPECT_EQ(smoe::moe_backward_workspace_size(s), rows_part + router_part);  // 43923968
+  EXPECT_EQ(smoe::moe_backward_workspace_size(s), rows_part + router_part);  // 41843968
   smoe::MoEShape provided = s;
   provided.router = smoe::MoERouter::kProvided;  // no router: no cuBLAS, dS, dlogits, dW_r, dl
   EXPECT_EQ(smoe::moe_backward_workspace_size(provided), rows_part);
+}
+
+// Lifetimes in the backward workspace (backward.cu, one stream: dA' -> ds_rowsum -> dW2 -> router
+// backward -> dW1 -> dX~ -> dx_sum). dX~ is written after the last reads of A' (dW2) and of the dS
+// partials (ds_rowsum), so it shares their bytes; it must share none with a buffer that is read after
+// dX~ is written (dH by dX~ itself; dl and dx_router by dx_sum; valid and expert_offset throughout) or
+// that the router backward writes (dS, dlogits, dW_r, logits), nor with the cuBLAS workspace.
+TEST(LayerSizes, BackwardWorkspaceSharesOnlyDeadBytes) {
+  struct Span {
+    const void* p;
+    size_t bytes;
+    const char* name;
+  };
+  auto overlap = [](const Span& a, const Span& b) {
+    const char *pa = static_cast<const char*>(a.p), *pb = static_cast<const char*>(b.p);
+    return a.p && b.p && a.bytes && b.bytes && pa < pb + b.bytes && pb < pa + a.bytes;
+  };
+  char* base = reinterpret_cast<char*>(uintptr_t{1} << 40);  // never dereferenced: the plan only adds offsets
+  for (const smoe::MoERouter router :
+       {smoe::MoERouter::kTopKSoftmax, smoe::MoERouter::kTokenRounding, smoe::MoERouter::kProvided}) {
+    for (const auto& dn : {std::pair<int, int>{512, 256}, std::pair<int, int>{256, 1024}}) {  // d > n and d < n
+      smoe::MoEShape s{1000, dn.first, dn.second, 16, 4};
+      s.router = router;
+      const size_t R = static_cast<size_t>(smoe::moe_row_capacity(s)), T = 1000, E = 16, d = s.d, n = s.n;
+      const smoe::plan::BackwardWs w = smoe::plan::backward_ws(s, base);
+      const Span dxt{w.dXt, R * d * 2, "dX~"};
+      const Span dead[] = {{w.a_prime, R * n * 2, "A'"}, {w.ds_partial, R * ((n + 127) / 128) * 4, "dS partials"}};
+      const Span live[] = {{w.cublas, smoe::plan::kCublasWorkspace, "cuBLAS"}, {w.dH, R * 2 * n * 2, "dH"},
+                           {w.dS, R * 4, "dS"}, {w.dl, T * 4 * 4, "dl"}, {w.dlogits, T * E * 2, "dlogits"},
+                           {w.dwr32, E * d * 4, "dW_r"}, {w.logits, T * E * 4, "logits"},
+                           {w.dx_router, T * d * 4, "dx_router"}, {w.valid, 4, "valid"},
+                           {w.expert_offset, (E + 1) * 4, "expert_offset"}};
+      const std::string at = "router " + std::to_string(static_cast<int>(router)) + ", d " + std::to_string(d);
+      EXPECT_TRUE(overlap(dxt, dead[0])) << at << ": dX~ should reuse A''s bytes";
+      for (const Span& l : live) {
+        EXPECT_FALSE(overlap(dxt, l)) << at << ": dX~ shares bytes with " << l.name;
+        for (const Span& e : dead) EXPECT_FALSE(overlap(e, l)) << at << ": " << e.name << " shares bytes with " << l.name;
+      }
+      for (const Span& x : {dxt, dead[0], dead[1]})
+        EXPECT_LE(static_cast<const char*>(x.p) + x.bytes, base + w.total) << at << ": " << x.name << " past the end";
+      EXPECT_FALSE(overlap(dead[0], dead[1])) << at;
+    }
+  }
 }
 
 // Routing modes of the layer: their own rules, checked before any CUDA call like the rest.

@@ -219,6 +219,10 @@ struct GpuLayer {
       for (auto* b : {&out, &dx, &dwr, &dw1, &dw2}) EXPECT_EQ(b->poison(), cudaSuccess);
       EXPECT_EQ(saved.poison(), cudaSuccess);
       EXPECT_EQ(dscores.poison(), cudaSuccess);
+      // The workspaces too: a read of bytes no kernel of this call wrote (e.g. of dX~ rows carved over
+      // A', memory_plan.cpp) then meets NaN, not the zeros of a fresh cudaMalloc.
+      EXPECT_EQ(wsf.poison(), cudaSuccess);
+      EXPECT_EQ(wsb.poison(), cudaSuccess);
     }
     smoe::Status st = smoe::reset_device_status(status.get(), 0);
     if (!st.ok()) return st;
