@@ -68,7 +68,8 @@
 #                         kernel waiting at an LSA barrier for its peer times out. Kept for a later
 #                         multi-process test binary.
 #   pytest    build the PyTorch extension (pip install --no-build-isolation .) and run
-#             tests/python from /tmp (PYTEST_TIMEOUT, 300 s; the two-GPU EP tests skip on one GPU)
+#             tests/python from /tmp (PYTEST_TIMEOUT, 480 s: the folder takes ~4 min on an H100; the
+#             two-GPU EP tests skip on one GPU)
 #   digest    $BUILD/layer_digest > $OUT/digest.txt (fails, saying so, when the binary is missing)
 #   gather    the gather-sums alone: $BUILD/gather_sum_bench (every built variant against the kernel
 #             before them and a copy; GATHER_SHAPES=T:d:K:E,... replaces its shapes, GATHER_REPS 20)
@@ -579,7 +580,7 @@ step_pytest() {
   # The drop-ins' tests compare with the frameworks' own code: the pinned wheels travel in
   # .deps/wheels (scripts/fetch_wheels.sh fetch, then carried); without them the tests use twins.
   if [ -d .deps/wheels ]; then x -a "$OUT/pytest_wheels.log" scripts/fetch_wheels.sh install || true; fi
-  (cd /tmp && xt "${PYTEST_TIMEOUT:-300}" python3 -m pytest -q "$ROOT/tests/python" -p no:cacheprovider)
+  (cd /tmp && xt "${PYTEST_TIMEOUT:-480}" python3 -m pytest -q "$ROOT/tests/python" -p no:cacheprovider)
 }
 summary_pytest() { grep -E "passed|failed|skipped|^FAILED|^ERROR|Error|timed out|pip rc" "$1" | tail -15; }
 

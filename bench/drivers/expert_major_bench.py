@@ -58,6 +58,10 @@ def load_layer(gpu):
     if gpu:
         import smoe_torch  # registers torch.ops.smoe.*
         return sys.modules["smoe_torch.expert_major"], smoe_torch  # smoe_torch.expert_major is the function
+    if "smoe_torch.expert_major" in sys.modules:
+        # The extension is already imported (a pytest session on a GPU machine): a second copy of the
+        # file would register the ops' fake kernels again, which torch refuses.
+        return sys.modules["smoe_torch.expert_major"], None
     spec = importlib.util.spec_from_file_location(
         "smoe_em_bench_file", os.path.join(ROOT, "python", "smoe_torch", "expert_major.py"))
     mod = importlib.util.module_from_spec(spec)

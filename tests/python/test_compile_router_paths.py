@@ -419,12 +419,13 @@ def test_bf16_logits_under_default_inductor_numerics(path):
 
 
 def test_paths_cover_every_router_option():
-    """The table above uses every routing option MoE takes (except ep_group, which needs 2 GPUs), so a
+    """The table above uses every routing option MoE takes (except ep_group and ep_mesh, which need 2 GPUs), so a
     new keyword argument of MoE fails here until it has a path."""
     import inspect
     routing = set(inspect.signature(smoe_torch.MoE).parameters) - {
         "self", "dim", "hidden_dim", "num_experts", "top_k",  # shapes
         "ep_group",        # 2 GPUs: tests/python/test_ep.py
+        "ep_mesh",         # with ep_group only: tests/python/test_moe_ep_mesh.py
         "dp_group",        # the all-reduce of the counts: test_torch_moe.py (gloo)
         "pack_gate_up",    # parameter layout, not routing: test_torch_moe.py's compile test packs
     }

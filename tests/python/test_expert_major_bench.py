@@ -94,3 +94,14 @@ def test_systems_subset(tmp_path):
     assert set(c["systems"]) == {"torch_grouped_mm", "smoe_em_capacity"}
     # the reference (smoe_em_concat) is still computed, untimed, so both are checked against it
     assert "out_rows_vs_concat" in c["systems"]["torch_grouped_mm"]["checks"]
+
+
+def test_cpu_path_reuses_an_imported_package_module(monkeypatch):
+    """In one pytest session on a GPU machine smoe_torch is imported (the ops' fakes registered) before
+    these tests run: a second copy of expert_major.py would register the fakes again, which torch refuses
+    (register_fake: 'already has an fake impl registered'), so the CPU path takes the package's module."""
+    import types
+    imported = types.ModuleType("smoe_torch.expert_major")
+    monkeypatch.setitem(sys.modules, "smoe_torch.expert_major", imported)
+    mod, pkg = emb.load_layer(False)
+    assert mod is imported and pkg is None
