@@ -100,13 +100,17 @@ struct ExpertMajorBackwardArgs {
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
   DeviceStatus* status = nullptr; // optional: a bad saved state is reported here
+  // true: dH is written over the saved H and the stamp cleared first; the state is spent (a later
+  // backward on it: NaN gradients, kStatusBadSavedState). Bitwise the same gradients, in
+  // expert_major_backward_workspace_size(shape, true) bytes: R x 2n bf16 fewer (MoEBackwardArgs::consume_saved).
+  bool consume_saved = false;
 };
 
 // Host arithmetic only (no CUDA call, no device needed). 0 for a shape can_implement rejects.
 Status expert_major_can_implement(const ExpertMajorShape& shape);
 size_t expert_major_saved_state_size(const ExpertMajorShape& shape);
 size_t expert_major_forward_workspace_size(const ExpertMajorShape& shape);
-size_t expert_major_backward_workspace_size(const ExpertMajorShape& shape);
+size_t expert_major_backward_workspace_size(const ExpertMajorShape& shape, bool consume_saved = false);
 
 Status expert_major_forward(const ExpertMajorForwardArgs& args, cudaStream_t stream);
 Status expert_major_backward(const ExpertMajorBackwardArgs& args, cudaStream_t stream);

@@ -265,8 +265,9 @@ struct MoEWeights {
 // The size queries are host arithmetic on the shape alone: no device is queried, so they give the
 // same bytes on any machine, with or without a GPU; they return 0 only for a shape
 // moe_can_implement rejects. With R = moe_row_capacity(shape), each region rounded up to 256 bytes,
-// the backward workspace is: 32 MiB cuBLAS workspace (not for kProvided), A' [R][n] and dH [R][2n]
-// bf16, dX~ [R][d] bf16, the dS partials [R][ceil(n/128)] fp32; dS [R] fp32, dlogits [T][E] bf16
+// the backward workspace is: 32 MiB cuBLAS workspace (not for kProvided), dH [R][2n] bf16 (not with
+// consume_saved: it is written over H), A' [R][n] bf16 and the dS partials [R][ceil(n/128)] fp32
+// sharing their bytes with dX~ [R][d] bf16 (dead before it is written); dS [R] fp32, dlogits [T][E] bf16
 // and dW_r [E][d] fp32 unless kProvided; dl [T*K] fp32 for kTopKSoftmax; the recomputed logits
 // [T][E] and dx_router [T][d] fp32 for kTokenRounding; a 4-byte flag and expert_offset [E+1].
 // Prepares the current device for layer calls from this host thread (the cuBLAS handle) and checks
@@ -275,7 +276,8 @@ Status moe_init();
 
 size_t moe_saved_state_size(const MoEShape& shape);
 size_t moe_forward_workspace_size(const MoEShape& shape);
-size_t moe_backward_workspace_size(const MoEShape& shape);
+// consume_saved: the size for MoEBackwardArgs::consume_saved (R*2n*2 bytes less, rounded as above).
+size_t moe_backward_workspace_size(const MoEShape& shape, bool consume_saved = false);
 Status moe_can_implement(const MoEShape& shape);
 
 // Where each part of the saved state lives inside the caller's buffer (for inspection, tests and
@@ -322,7 +324,7 @@ struct MoEBackwardArgs {
   const bf16* x = nullptr;     // the same x as forward
   MoEWeights weights;
   const bf16* dout = nullptr;  // [T][d]
-  const void* saved = nullptr; // written by moe_forward
+  const void* saved = nullptr; // written by moe_forward (and by this call with consume_saved)
   size_t saved_bytes = 0;
   // Gradients are OVERWRITTEN, never accumulated: a caller summing micro-batches adds them
   // itself (or passes scratch buffers and adds). An expert that received no token gets zeros.
@@ -337,6 +339,14 @@ struct MoEBackwardArgs {
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
   DeviceStatus* status = nullptr;  // optional: where a bad saved state is reported (kStatusBadSavedState)
+  // true: the call may write the saved buffer (dH [R][2n] over H, which only dA' reads) and clears
+  // its stamp before any other kernel: the saved state is spent, and a later backward on it finds
+  // no stamp (NaN gradients and kStatusBadSavedState), never gradients of a clobbered H. The
+  // gradients are bitwise those of consume_saved = false; the workspace is
+  // moe_backward_workspace_size(shape, true), H's bytes less: what a caller that runs backward once
+  // per forward (PyTorch without retain_graph) saves at the backward's peak. With SMOE_ENGINE_TUNE=1
+  // the dA' GEMM is not measured (its output overlaps its input): tune ahead with smoe_tune.
+  bool consume_saved = false;
   // Optional: x may still be in flight when the call is enqueued (expert parallelism sends it on
   // another stream). The layer's stream waits for this event before the first kernel that reads x
   // (the router's weight gradient, then dW1); dA' and dW2 run before it.

@@ -81,8 +81,8 @@ size_t expert_major_saved_state_size(const ExpertMajorShape& s) {
 size_t expert_major_forward_workspace_size(const ExpertMajorShape& s) {
   return expert_major_can_implement(s).ok() ? expert_major::forward_ws(s, nullptr).total : 0;
 }
-size_t expert_major_backward_workspace_size(const ExpertMajorShape& s) {
-  return expert_major_can_implement(s).ok() ? expert_major::backward_ws(s, nullptr).total : 0;
+size_t expert_major_backward_workspace_size(const ExpertMajorShape& s, bool consume_saved) {
+  return expert_major_can_implement(s).ok() ? expert_major::backward_ws(s, nullptr, consume_saved).total : 0;
 }
 
 namespace expert_major {
@@ -132,7 +132,8 @@ Status check_backward(const ExpertMajorBackwardArgs& a) {
   SMOE_RETURN_IF_ERROR(check_wanted(fn, s.probs, s.rows == 0, a.dprobs, "dprobs", 4, "shape.probs is set"));
   SMOE_RETURN_IF_ERROR(layer::check_buffer(a.saved, a.saved_bytes, expert_major_saved_state_size(s), fn, "saved",
                                            "saved_bytes", "expert_major_saved_state_size"));
-  SMOE_RETURN_IF_ERROR(layer::check_buffer(a.workspace, a.workspace_bytes, expert_major_backward_workspace_size(s), fn,
+  SMOE_RETURN_IF_ERROR(layer::check_buffer(a.workspace, a.workspace_bytes,
+                                           expert_major_backward_workspace_size(s, a.consume_saved), fn,
                                            "workspace", "workspace_bytes", "expert_major_backward_workspace_size"));
   if (a.status != nullptr) SMOE_RETURN_IF_ERROR(detail::check_ptr(a.status, fn, "status", 8));
   const Bytes b(s);
@@ -144,11 +145,13 @@ Status check_backward(const ExpertMajorBackwardArgs& a) {
        {a.dw2, b.w2, "dw2"},
        {a.dprobs, b.probs, "dprobs"},
        {a.workspace, a.workspace_bytes, "workspace"},
-       {a.status, a.status ? sizeof(DeviceStatus) : 0, "status"}},
+       {a.status, a.status ? sizeof(DeviceStatus) : 0, "status"},
+       // consume_saved writes the saved state: then it is an output, disjoint from the inputs too.
+       {a.consume_saved ? a.saved : nullptr, a.consume_saved ? a.saved_bytes : 0, "saved (consume_saved)"}},
       {{a.x, b.rows, "x"},
        {a.probs, b.probs, "probs"},
        {a.dout, b.rows, "dout"},
-       {a.saved, a.saved_bytes, "saved"},
+       {a.consume_saved ? nullptr : a.saved, a.consume_saved ? 0 : a.saved_bytes, "saved"},
        {a.weights.w1, b.w1, "weights.w1"},
        {a.weights.w3, separate(s) ? b.w1 : 0, "weights.w3"},
        {a.weights.w2, b.w2, "weights.w2"}}));

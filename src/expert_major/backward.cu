@@ -23,7 +23,7 @@ Status expert_major_backward(const ExpertMajorBackwardArgs& a, cudaStream_t stre
   int sms = 0;
   SMOE_RETURN_IF_ERROR(layer::sm_count(&sms));
   const expert_major::SavedLayout sv = expert_major::saved_layout(s, const_cast<void*>(a.saved));
-  const expert_major::BackwardWs w = expert_major::backward_ws(s, a.workspace);
+  const expert_major::BackwardWs w = expert_major::backward_ws(s, a.workspace, a.consume_saved);
   const bool separate = s.gate_up == GateUpLayout::kSeparate;
   const size_t rows_bytes = static_cast<size_t>(s.rows) * s.d * sizeof(bf16);
   const size_t w1_bytes = static_cast<size_t>(s.E) * (separate ? 1 : 2) * s.n * s.d * sizeof(bf16);
@@ -35,6 +35,8 @@ Status expert_major_backward(const ExpertMajorBackwardArgs& a, cudaStream_t stre
   SMOE_RETURN_IF_ERROR(kernels::check_saved(sv.stamp, expert_major::kSavedMagic, expert_major::saved_shape_hash(s),
                                             sv.bytes, sv.expert_offset, s.E, w.valid, w.expert_offset, a.status,
                                             stream));
+  // consume_saved: spent from here on (dH goes over H below), so the stamp goes first.
+  if (a.consume_saved) SMOE_RETURN_IF_ERROR(kernels::clear_saved_stamp(sv.stamp, stream));
   const int32_t* expert_offset = w.expert_offset;
   auto nan_if_invalid = [&]() -> Status {
     return kernels::nan_fill_if_invalid(w.valid,
@@ -55,7 +57,8 @@ Status expert_major_backward(const ExpertMajorBackwardArgs& a, cudaStream_t stre
 
   const layer::ExpertRows er{s.E, s.d, s.n, s.rows, expert_offset, sv.row_of, s.rows};
   // Scores by entry = row; scatter: grouped row -> entry = row.
-  const layer::DSwiGLUIo io{sv.h, sv.scores, sv.row_of, w.dH, w.a_prime, w.ds_partial};
+  bf16* const dH = a.consume_saved ? sv.h : w.dH;  // in place over H: see src/moe/backward.cu
+  const layer::DSwiGLUIo io{sv.h, sv.scores, sv.row_of, dH, w.a_prime, w.ds_partial};
   SMOE_RETURN_IF_ERROR(engine::varlen_m(layer::da_proj_args(er, a.dout, a.weights.w2, gu.halves, io), sms, stream));
   // Grouped rows past nnz are the padding rows (row_of): their dprobs entry gets 0.
   SMOE_RETURN_IF_ERROR(kernels::ds_rowsum(w.ds_partial, engine::ds_partial_tiles(s.n), sv.row_of, s.rows,
@@ -69,10 +72,10 @@ Status expert_major_backward(const ExpertMajorBackwardArgs& a, cudaStream_t stre
   // then up rows, which is the concatenated layout itself; two tensors take one call per half.
   for (int half = 0; half < (separate ? 2 : 1); ++half)
     SMOE_RETURN_IF_ERROR(engine::varlen_k(
-        layer::dw1_args(er, w.dH, a.x, separate, half, half == 0 ? a.dw1 : a.dw3), sms, stream));
+        layer::dw1_args(er, dH, a.x, separate, half, half == 0 ? a.dw1 : a.dw3), sms, stream));
   profile::mark("dW1", stream);
 
-  SMOE_RETURN_IF_ERROR(engine::varlen_m(layer::dx_tilde_args(er, w.dH, gu, w.dXt), sms, stream));
+  SMOE_RETURN_IF_ERROR(engine::varlen_m(layer::dx_tilde_args(er, dH, gu, w.dXt), sms, stream));
   profile::mark("dX_proj", stream);
 
   SMOE_RETURN_IF_ERROR(kernels::dx_sum(w.dXt, sv.slot_of, sv.row_offset, nullptr, nullptr, nullptr, nullptr, s.d,

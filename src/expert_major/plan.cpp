@@ -34,14 +34,22 @@ ForwardWs forward_ws(const ExpertMajorShape& s, void* base) {
   return w;
 }
 
-BackwardWs backward_ws(const ExpertMajorShape& s, void* base) {
+BackwardWs backward_ws(const ExpertMajorShape& s, void* base, bool consume_saved) {
   const size_t R = static_cast<size_t>(s.rows);
   detail::Carver c(base);
   BackwardWs w;
+  // consume_saved: dH goes over the saved H (the dA' epilogue, its one reader, reads each element
+  // before writing it: src/moe/backward.cu).
+  w.dH = consume_saved ? nullptr : c.take<bf16>(R * 2 * s.n);
+  // A' and the dS partials die with dW2 and ds_rowsum; dX~ is written after them (backward.cu: one
+  // stream, dA' -> ds_rowsum -> dW2 -> dW1 -> dX~ -> dx_sum), so it takes their bytes, as in the
+  // token-major layer's workspace (src/moe/memory_plan.cpp).
+  c.overlay_begin();
   w.a_prime = c.take<bf16>(R * s.n);
-  w.dH = c.take<bf16>(R * 2 * s.n);
-  w.dXt = c.take<bf16>(R * s.d);
   w.ds_partial = c.take<float>(R * engine::ds_partial_tiles(s.n));
+  c.overlay_next();
+  w.dXt = c.take<bf16>(R * s.d);
+  c.overlay_end();
   w.dprobs = s.probs ? nullptr : c.take<float>(R);
   w.valid = c.take<int32_t>(1);
   w.expert_offset = c.take<int32_t>(s.E + 1);

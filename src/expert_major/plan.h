@@ -10,9 +10,10 @@
 //              dprobs), slot_of [R] (row -> grouped row, -1 on padding), scores [R] fp32,
 //              row_offset [R+1] (r: entries [r, r+1) of the aggregation and dx sum)
 //   forward:   A = SwiGLU(H) [R][n], Y [R][d] bf16, the counts check flag, row begins [E]
-//   backward:  A' [R][n], dH [R][2n], dX~ [R][d] bf16, dS partials [R][ds_partial_tiles(n)] fp32,
-//              without probs the dS row sums [R] fp32 (computed, not returned), the stamp check
-//              flag and its expert_offset copy [E+1]
+//   backward:  dH [R][2n] bf16 (not with consume_saved: written over the saved H), A' [R][n] bf16 and
+//              the dS partials [R][ds_partial_tiles(n)] fp32 sharing their bytes with dX~ [R][d] bf16
+//              (dead before it is written), without probs the dS row sums [R] fp32 (computed, not
+//              returned), the stamp check flag and its expert_offset copy [E+1]
 // Held between forward and backward: 4Rn + 16R + O(E) bytes (+ the caller's x and probs).
 #pragma once
 
@@ -50,7 +51,7 @@ ForwardWs forward_ws(const ExpertMajorShape& s, void* base);
 
 struct BackwardWs {
   bf16* a_prime;           // [R][n]
-  bf16* dH;                // [R][2n]
+  bf16* dH;                // [R][2n]; null with consume_saved (written over the saved H)
   bf16* dXt;               // [R][d]
   float* ds_partial;       // [R][ds_partial_tiles(n)]
   float* dprobs;           // [R] without probs only (else the caller's dprobs)
@@ -58,7 +59,7 @@ struct BackwardWs {
   int32_t* expert_offset;  // [E+1] the saved one, or zeros
   size_t total;
 };
-BackwardWs backward_ws(const ExpertMajorShape& s, void* base);
+BackwardWs backward_ws(const ExpertMajorShape& s, void* base, bool consume_saved = false);
 
 uint64_t saved_shape_hash(const ExpertMajorShape& s);
 

@@ -56,15 +56,17 @@ Status moe_backward(const MoEBackwardArgs& a, cudaStream_t stream) {
        {a.dw1, w1_bytes, "dw1"},
        {a.dw2, tb.w2, "dw2"},
        {a.dw3, two ? w1_bytes : 0, "dw3"},
-       {a.workspace, a.workspace_bytes, "workspace"}},
+       {a.workspace, a.workspace_bytes, "workspace"},
+       // consume_saved writes the saved state: then it is an output, disjoint from the inputs too.
+       {a.consume_saved ? a.saved : nullptr, a.consume_saved ? a.saved_bytes : 0, "saved (consume_saved)"}},
       {{a.x, tb.tokens, "x"},
        {a.weights.w_router, tb.router, "weights.w_router"},
        {a.weights.w1, w1_bytes, "weights.w1"},
        {a.weights.w2, tb.w2, "weights.w2"},
        {a.weights.w3, two ? w1_bytes : 0, "weights.w3"},
        {a.dout, tb.tokens, "dout"},
-       {a.saved, a.saved_bytes, "saved"}}));
-  const plan::BackwardWs w = plan::backward_ws(s, a.workspace);
+       {a.consume_saved ? nullptr : a.saved, a.consume_saved ? 0 : a.saved_bytes, "saved"}}));
+  const plan::BackwardWs w = plan::backward_ws(s, a.workspace, a.consume_saved);
   SMOE_RETURN_IF_ERROR(layer::check_buffer(a.workspace, a.workspace_bytes, w.total, fn, "workspace",
                                            "workspace_bytes", "moe_backward_workspace_size"));
   if (a.status != nullptr) SMOE_RETURN_IF_ERROR(detail::check_ptr(a.status, fn, "status", 8));
@@ -81,6 +83,10 @@ Status moe_backward(const MoEBackwardArgs& a, cudaStream_t stream) {
                                             plan::kSavedMagic, plan::saved_shape_hash(s, two),
                                             moe_saved_state_size(s), sv.expert_offset, s.E, w.valid,
                                             w.expert_offset, a.status, stream));
+  // consume_saved: the state is spent from here on (dH goes over H below), so its stamp goes first:
+  // a second backward on it meets no stamp, as after a forward that stopped half way.
+  if (a.consume_saved)
+    SMOE_RETURN_IF_ERROR(kernels::clear_saved_stamp(plan::saved_layout(s, const_cast<void*>(a.saved)).stamp, stream));
   const int32_t* expert_offset = w.expert_offset;
   const int32_t* valid = w.valid;
   const int32_t* nnz = expert_offset + s.E;
@@ -107,7 +113,11 @@ Status moe_backward(const MoEBackwardArgs& a, cudaStream_t stream) {
   // W1 [E][2n][d]; two tensors: H (saved) and dH in halves (gate columns [0, n), up [n, 2n)), and
   // dX~'s K-tiles [0, n) from w1, [n, 2n) from w3.
   const layer::GateUp gu = layer::gate_up_of(a.weights);
-  const layer::DSwiGLUIo io{sv.h, sv.scores, sv.scatter_idx, w.dH, w.a_prime, w.ds_partial};
+  // consume_saved: dH in place over H. The dA' epilogue is H's one reader, and it reads each element
+  // before the tile that owns the element writes it (the same lanes: load_row / apply_row), so the
+  // bits are those of a separate dH (GpuEngine's in-place checks, every dA' instance).
+  bf16* const dH = a.consume_saved ? sv.h : w.dH;
+  const layer::DSwiGLUIo io{sv.h, sv.scores, sv.scatter_idx, dH, w.a_prime, w.ds_partial};
   SMOE_RETURN_IF_ERROR(engine::varlen_m(layer::da_proj_args(er, a.dout, a.weights.w2, gu.halves, io), sms, stream));
   SMOE_RETURN_IF_ERROR(kernels::ds_rowsum(w.ds_partial, engine::ds_partial_tiles(s.n), sv.scatter_idx, rows,
                                           nnz, dS, stream, valid));
@@ -156,10 +166,10 @@ Status moe_backward(const MoEBackwardArgs& a, cudaStream_t stream) {
   // call per half (dw1 gate, dw3 up).
   for (int half = 0; half < (two ? 2 : 1); ++half)
     SMOE_RETURN_IF_ERROR(
-        engine::varlen_k(layer::dw1_args(er, w.dH, a.x, two, half, half == 0 ? a.dw1 : a.dw3), sms, stream));
+        engine::varlen_k(layer::dw1_args(er, dH, a.x, two, half, half == 0 ? a.dw1 : a.dw3), sms, stream));
   profile::mark("dW1", stream);
 
-  SMOE_RETURN_IF_ERROR(engine::varlen_m(layer::dx_tilde_args(er, w.dH, gu, w.dXt), sms, stream));
+  SMOE_RETURN_IF_ERROR(engine::varlen_m(layer::dx_tilde_args(er, dH, gu, w.dXt), sms, stream));
   profile::mark("dX_proj", stream);
 
   SMOE_RETURN_IF_ERROR(kernels::dx_sum(w.dXt, sv.reverse_scatter_idx, sv.token_offset, w.dl, sv.entry_expert,

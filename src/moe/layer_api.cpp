@@ -82,9 +82,9 @@ size_t moe_forward_workspace_size(const MoEShape& s) {
   if (!moe_can_implement(s).ok()) return 0;
   return plan::forward_ws(s, nullptr).total;
 }
-size_t moe_backward_workspace_size(const MoEShape& s) {
+size_t moe_backward_workspace_size(const MoEShape& s, bool consume_saved) {
   if (!moe_can_implement(s).ok()) return 0;
-  return plan::backward_ws(s, nullptr).total;
+  return plan::backward_ws(s, nullptr, consume_saved).total;
 }
 
 }  // namespace smoe

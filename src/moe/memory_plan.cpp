@@ -78,14 +78,16 @@ ForwardWs forward_ws(const MoEShape& s, void* base) {
   return w;
 }
 
-BackwardWs backward_ws(const MoEShape& s, void* base) {
+BackwardWs backward_ws(const MoEShape& s, void* base, bool consume_saved) {
   const size_t rows = row_capacity(s);
   const size_t tk = static_cast<size_t>(s.T) * s.K;
   const size_t te = static_cast<size_t>(s.T) * s.E;
   detail::Carver c(base);
   BackwardWs w{};
   if (uses_router(s)) w.cublas = c.take<char>(kCublasWorkspace);
-  w.dH = c.take<bf16>(rows * 2 * s.n);
+  // consume_saved: dH goes over the saved H, whose one reader is the dA' epilogue that writes it
+  // (each element read before the same tile writes it: backward.cu).
+  w.dH = consume_saved ? nullptr : c.take<bf16>(rows * 2 * s.n);
   // A' and the dS partials die with dW2 and ds_rowsum; dX~ is written after them (backward.cu: one
   // stream, dA' -> ds_rowsum -> dW2 -> router -> dW1 -> dX~ -> dx_sum), so it takes their bytes:
   // min(2Rn + 4R*tiles, 2Rd) bytes less at the backward's peak (0.8 GB at Qwen3-235B), what a

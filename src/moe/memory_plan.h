@@ -54,7 +54,7 @@ ForwardWs forward_ws(const MoEShape& s, void* base);
 struct BackwardWs {
   void* cublas;       // null without a router
   bf16* a_prime;      // A' = s * A [R][n]
-  bf16* dH;           // [R][2n]
+  bf16* dH;           // [R][2n]; null with consume_saved
   bf16* dXt;          // dX~ [R][d]
   float* ds_partial;  // [R][engine::ds_partial_tiles(n)]
   float* dS;          // [R] by entry; null for kProvided (the caller's dscores takes it)
@@ -68,7 +68,8 @@ struct BackwardWs {
   size_t total;
 };
 // Host arithmetic on the shape only (no device query): moe_backward_workspace_size is w.total.
-BackwardWs backward_ws(const MoEShape& s, void* base);
+// consume_saved: no dH (the backward writes it over the saved H), dH = nullptr.
+BackwardWs backward_ws(const MoEShape& s, void* base, bool consume_saved = false);
 
 }  // namespace plan
 }  // namespace smoe

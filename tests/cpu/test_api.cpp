@@ -276,6 +276,17 @@ TEST(LayerValidation, BackwardArgumentsRejectedBeforeAnyCudaCall) {
       {"dw1 (4194304 bytes) overlaps dw3",
        [](smoe::MoEBackwardArgs* a) { a->weights.w3 = fake<const smoe::bf16>(13 * kSlot); a->dw3 = a->dw1 + 2097152 - 8; },
        C::kInvalidArgument},
+      // consume_saved writes the saved state: an output then, so it may not overlap an input; its
+      // workspace is the smaller query's, and one byte less is refused.
+      {"saved (consume_saved)",
+       [](smoe::MoEBackwardArgs* a) { a->consume_saved = true; a->x = static_cast<const smoe::bf16*>(a->saved) + 64; },
+       C::kInvalidArgument},
+      {"workspace_bytes",
+       [](smoe::MoEBackwardArgs* a) {
+         a->consume_saved = true;
+         a->workspace_bytes = smoe::moe_backward_workspace_size(a->shape, true) - 1;
+       },
+       C::kWorkspaceTooSmall},
   };
   for (const Case& c : cases) {
     smoe::MoEBackwardArgs a = good_backward(s);
@@ -310,6 +321,10 @@ TEST(LayerSizes, BackwardWorkspaceIsHostArithmetic) {
   smoe::MoEShape provided = s;
   provided.router = smoe::MoERouter::kProvided;  // no router: no cuBLAS, dS, dlogits, dW_r, dl
   EXPECT_EQ(smoe::moe_backward_workspace_size(provided), rows_part);
+  // consume_saved: dH is written over the saved H, so its region goes (8192512 - 4096000 rows part).
+  EXPECT_EQ(smoe::moe_backward_workspace_size(s, true), rows_part - up(R * 512 * 2) + router_part);  // 37747968
+  EXPECT_EQ(smoe::moe_backward_workspace_size(provided, true), rows_part - up(R * 512 * 2));
+  EXPECT_EQ(smoe::moe_backward_workspace_size(s, false), smoe::moe_backward_workspace_size(s));
 }
 
 // Lifetimes in the backward workspace (backward.cu, one stream: dA' -> ds_rowsum -> dW2 -> router
@@ -331,26 +346,31 @@ TEST(LayerSizes, BackwardWorkspaceSharesOnlyDeadBytes) {
   for (const smoe::MoERouter router :
        {smoe::MoERouter::kTopKSoftmax, smoe::MoERouter::kTokenRounding, smoe::MoERouter::kProvided}) {
     for (const auto& dn : {std::pair<int, int>{512, 256}, std::pair<int, int>{256, 1024}}) {  // d > n and d < n
-      smoe::MoEShape s{1000, dn.first, dn.second, 16, 4};
-      s.router = router;
-      const size_t R = static_cast<size_t>(smoe::moe_row_capacity(s)), T = 1000, E = 16, d = s.d, n = s.n;
-      const smoe::plan::BackwardWs w = smoe::plan::backward_ws(s, base);
-      const Span dxt{w.dXt, R * d * 2, "dX~"};
-      const Span dead[] = {{w.a_prime, R * n * 2, "A'"}, {w.ds_partial, R * ((n + 127) / 128) * 4, "dS partials"}};
-      const Span live[] = {{w.cublas, smoe::plan::kCublasWorkspace, "cuBLAS"}, {w.dH, R * 2 * n * 2, "dH"},
-                           {w.dS, R * 4, "dS"}, {w.dl, T * 4 * 4, "dl"}, {w.dlogits, T * E * 2, "dlogits"},
-                           {w.dwr32, E * d * 4, "dW_r"}, {w.logits, T * E * 4, "logits"},
-                           {w.dx_router, T * d * 4, "dx_router"}, {w.valid, 4, "valid"},
-                           {w.expert_offset, (E + 1) * 4, "expert_offset"}};
-      const std::string at = "router " + std::to_string(static_cast<int>(router)) + ", d " + std::to_string(d);
-      EXPECT_TRUE(overlap(dxt, dead[0])) << at << ": dX~ should reuse A''s bytes";
-      for (const Span& l : live) {
-        EXPECT_FALSE(overlap(dxt, l)) << at << ": dX~ shares bytes with " << l.name;
-        for (const Span& e : dead) EXPECT_FALSE(overlap(e, l)) << at << ": " << e.name << " shares bytes with " << l.name;
+      for (const bool consume : {false, true}) {  // consume_saved: no dH here (it goes over the saved H)
+        smoe::MoEShape s{1000, dn.first, dn.second, 16, 4};
+        s.router = router;
+        const size_t R = static_cast<size_t>(smoe::moe_row_capacity(s)), T = 1000, E = 16, d = s.d, n = s.n;
+        const smoe::plan::BackwardWs w = smoe::plan::backward_ws(s, base, consume);
+        EXPECT_EQ(w.dH == nullptr, consume);
+        EXPECT_EQ(w.total, smoe::moe_backward_workspace_size(s, consume));
+        const Span dxt{w.dXt, R * d * 2, "dX~"};
+        const Span dead[] = {{w.a_prime, R * n * 2, "A'"}, {w.ds_partial, R * ((n + 127) / 128) * 4, "dS partials"}};
+        const Span live[] = {{w.cublas, smoe::plan::kCublasWorkspace, "cuBLAS"}, {w.dH, R * 2 * n * 2, "dH"},
+                             {w.dS, R * 4, "dS"}, {w.dl, T * 4 * 4, "dl"}, {w.dlogits, T * E * 2, "dlogits"},
+                             {w.dwr32, E * d * 4, "dW_r"}, {w.logits, T * E * 4, "logits"},
+                             {w.dx_router, T * d * 4, "dx_router"}, {w.valid, 4, "valid"},
+                             {w.expert_offset, (E + 1) * 4, "expert_offset"}};
+        const std::string at = "router " + std::to_string(static_cast<int>(router)) + ", d " + std::to_string(d) +
+                               (consume ? ", consume_saved" : "");
+        EXPECT_TRUE(overlap(dxt, dead[0])) << at << ": dX~ should reuse A''s bytes";
+        for (const Span& l : live) {
+          EXPECT_FALSE(overlap(dxt, l)) << at << ": dX~ shares bytes with " << l.name;
+          for (const Span& e : dead) EXPECT_FALSE(overlap(e, l)) << at << ": " << e.name << " shares bytes with " << l.name;
+        }
+        for (const Span& x : {dxt, dead[0], dead[1]})
+          EXPECT_LE(static_cast<const char*>(x.p) + x.bytes, base + w.total) << at << ": " << x.name << " past the end";
+        EXPECT_FALSE(overlap(dead[0], dead[1])) << at;
       }
-      for (const Span& x : {dxt, dead[0], dead[1]})
-        EXPECT_LE(static_cast<const char*>(x.p) + x.bytes, base + w.total) << at << ": " << x.name << " past the end";
-      EXPECT_FALSE(overlap(dead[0], dead[1])) << at;
     }
   }
 }

@@ -1,6 +1,7 @@
 // The expert-major layer's host side without a GPU (smoe/expert_major.h): shape rules, sizes as host
 // arithmetic, and every argument rule checked before anything runs, each naming the argument. The
 // pointers are fake and never dereferenced.
+#include <algorithm>
 #include <cstdint>
 #include <string>
 
@@ -117,9 +118,18 @@ TEST(ExpertMajorApi, SizesAreHostArithmetic) {
             al(32) + al(R * 2 * n * 2) + al(4 * (E + 1)) + 3 * al(4 * R) + al(4 * (R + 1)));
   // A, Y, the valid flag, the row begins
   EXPECT_EQ(smoe::expert_major_forward_workspace_size(s), al(R * n * 2) + al(R * d * 2) + al(4) + al(4 * E));
-  // A', dH, dX~, the dS partials (n = 128: one 128-column tile), the valid flag, the expert_offset copy
+  // dH, then A' and the dS partials (n = 128: one 128-column tile; dead after dW2) sharing bytes with
+  // dX~ (written after them): the larger side, here dX~; the valid flag, the expert_offset copy.
+  const size_t early = al(R * n * 2) + al(R * 1 * 4), late = al(R * d * 2);
   EXPECT_EQ(smoe::expert_major_backward_workspace_size(s),
-            al(R * n * 2) + al(R * 2 * n * 2) + al(R * d * 2) + al(R * 1 * 4) + al(4) + al(4 * (E + 1)));
+            al(R * 2 * n * 2) + std::max(early, late) + al(4) + al(4 * (E + 1)));
+  // consume_saved: dH goes over the saved H.
+  EXPECT_EQ(smoe::expert_major_backward_workspace_size(s, true),
+            smoe::expert_major_backward_workspace_size(s) - al(R * 2 * n * 2));
+  ExpertMajorShape narrow = s;
+  narrow.d = 64;  // dX~ smaller than A' + the partials: the overlay takes the larger side
+  EXPECT_EQ(smoe::expert_major_backward_workspace_size(narrow),
+            al(R * 2 * n * 2) + std::max(early, al(R * 64 * 2)) + al(4) + al(4 * (E + 1)));
   ExpertMajorShape np = s;
   np.probs = false;  // the dS row sums come from the workspace
   EXPECT_EQ(smoe::expert_major_backward_workspace_size(np), smoe::expert_major_backward_workspace_size(s) + al(R * 4));
@@ -196,6 +206,18 @@ TEST(ExpertMajorApi, BackwardRulesNameTheArgument) {
   check([](A& a) { a.dw2 = nullptr; }, StatusCode::kInvalidArgument, "dw2");
   check([](A& a) { a.dprobs = nullptr; }, StatusCode::kInvalidArgument, "dprobs");
   check([](A& a) { --a.workspace_bytes; }, StatusCode::kWorkspaceTooSmall, "expert_major_backward_workspace_size");
+  check(
+      [](A& a) {  // consume_saved's smaller workspace, one byte short
+        a.consume_saved = true;
+        a.workspace_bytes = smoe::expert_major_backward_workspace_size(a.shape, true) - 1;
+      },
+      StatusCode::kWorkspaceTooSmall, "expert_major_backward_workspace_size");
+  check(
+      [](A& a) {  // consume_saved writes the saved state: an output, so it may not overlap an input
+        a.consume_saved = true;
+        a.dout = static_cast<const smoe::bf16*>(a.saved) + 64;
+      },
+      StatusCode::kInvalidArgument, "saved (consume_saved)");
   check([](A& a) { a.dw1 = const_cast<smoe::bf16*>(a.weights.w1); }, StatusCode::kInvalidArgument, "dw1");
   check([](A& a) { a.dx = const_cast<smoe::bf16*>(a.dout); }, StatusCode::kInvalidArgument, "overlaps");
   auto a = good_backward(shape(GateUpLayout::kInterleaved));

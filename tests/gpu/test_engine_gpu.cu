@@ -135,6 +135,33 @@ struct MCase {
   int expect_bn = 0;  // 0: whatever the heuristic picks
 };
 
+// dH written over H (dH == H: the layer's MoEBackwardArgs::consume_saved): the epilogue reads each
+// H element before the tile that owns it writes the same element, so the result must be bitwise the
+// out-of-place one (dH, A', the dS partials), and the bytes past H's end untouched. A read of H after
+// another thread's write (a reload, a prefetch across rows, another tile's columns) shows here.
+void expect_in_place_dswiglu(const eng::VarlenMArgs& out_of_place, const std::vector<bf16>& Hin,
+                             const std::vector<bf16>& want_dH, const std::vector<bf16>& want_ap,
+                             const std::vector<float>& want_ds) {
+  const size_t nh = static_cast<size_t>(out_of_place.rows) * 2 * out_of_place.N;
+  std::unique_ptr<DeviceBuffer<bf16>> HdH(upload(Hin));
+  Out<bf16> ap(static_cast<size_t>(out_of_place.rows) * out_of_place.N);
+  Out<float> ds(static_cast<size_t>(out_of_place.rows) * eng::ds_partial_tiles(out_of_place.N));
+  eng::VarlenMArgs a = out_of_place;
+  a.H = HdH->get();
+  a.dH = HdH->get();
+  a.D2 = ap.get();
+  a.ds_partial = ds.get();
+  const smoe::Status st = eng::varlen_m(a, sms(), 0);
+  ASSERT_TRUE(st.ok()) << st.message;
+  CUDA_OK(cudaDeviceSynchronize());
+  const std::vector<bf16> got = HdH->download();
+  EXPECT_EQ(0, std::memcmp(got.data(), want_dH.data(), nh * sizeof(bf16))) << "dH in place over H differs";
+  EXPECT_EQ(0, std::memcmp(got.data() + nh, Hin.data() + nh, (Hin.size() - nh) * sizeof(bf16)))
+      << "in place: bytes past H's end written";
+  EXPECT_EQ(0, std::memcmp(ap.all().data(), want_ap.data(), ap.n * sizeof(bf16))) << "A' (dH in place) differs";
+  EXPECT_EQ(0, std::memcmp(ds.all().data(), want_ds.data(), ds.n * sizeof(float))) << "dS (dH in place) differs";
+}
+
 void run_m_once(const MCase& c, const char* variant) {
   smoe_test::Rng rng;
   SCOPED_TRACE(testing::Message() << "variant " << variant << " seed " << rng.seed << " N " << c.N << " K " << c.K << " epi "
@@ -202,6 +229,7 @@ void run_m_once(const MCase& c, const char* variant) {
   if (c.epi == eng::Epilogue::kDSwiGLU) {
     EXPECT_EQ(0, std::memcmp(hdH.data(), dH.all().data(), dH.n * 2)) << "dH not deterministic";
     EXPECT_EQ(0, std::memcmp(hds.data(), dsp.all().data(), dsp.n * 4)) << "dS not deterministic";
+    expect_in_place_dswiglu(a, Hin, hdH, hD2, hds);
   }
   if (rows == 0) {
     D.expect_guard(hD, "D");  // nothing at all may be written: the guard starts at element 0
@@ -540,6 +568,7 @@ void run_gate_up_once(const std::vector<int>& counts, int n, int d, const char* 
   expect_same(hAPh, hAPi, na, "A'");
   EXPECT_LT(rel_l2(to_double(hdsh, dsi.n), to_double(hdsi, dsi.n)), 1e-6) << "dS partials";
   dHh.expect_guard(hdHh, "dH (halves)");
+  expect_in_place_dswiglu(dah, hHh, hdHh, hAPh, hdsh);  // the halves' 16-byte runs, dH over H
 
   // dX~ = dH [W1 gate; W3 up]: A = dH by TMA (K = 2n), B MN-major; two tensors split K.
   Out<bf16> Xi(static_cast<size_t>(rows) * d), Xh(static_cast<size_t>(rows) * d);

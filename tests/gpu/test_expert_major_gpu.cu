@@ -123,7 +123,7 @@ struct Layer {
   DeviceBuffer<bf16> dx_, dw1_, dw3_, dw2_, x_, w1_, w3_, w2_, dout_, out_;
   DeviceBuffer<float> probs_, dprobs_;
   DeviceBuffer<int32_t> counts_, seg_;
-  DeviceBuffer<uint8_t> saved_, wsf_, wsb_;
+  DeviceBuffer<uint8_t> saved_, wsf_, wsb_, wsb_consume_;
   DeviceBuffer<smoe::DeviceStatus> status_;
 
   ExpertMajorShape shape() const {
@@ -178,13 +178,41 @@ struct Layer {
     saved_.reset(smoe::expert_major_saved_state_size(s));
     wsf_.reset(smoe::expert_major_forward_workspace_size(s));
     wsb_.reset(smoe::expert_major_backward_workspace_size(s));
+    wsb_consume_.reset(smoe::expert_major_backward_workspace_size(s, true));
     status_.reset(1);
   }
 
   smoe::ExpertMajorWeights weights() const { return {w1_.get(), w3_.get(), w2_.get()}; }
 
-  Result run() {
+  // consume: the backward writes dH over the saved H (ExpertMajorBackwardArgs::consume_saved), in its
+  // smaller workspace. Both workspaces are poisoned: a read of bytes no kernel of the call wrote (dX~
+  // is carved over A') meets NaN, not stale values of the run before.
+  smoe::ExpertMajorBackwardArgs backward_args(bool consume) {
+    smoe::ExpertMajorBackwardArgs b;
+    b.shape = shape();
+    b.x = x_.get();
+    b.probs = probs_.get();
+    b.weights = weights();
+    b.dout = dout_.get();
+    b.saved = saved_.get();
+    b.saved_bytes = saved_.bytes();
+    b.dx = dx_.get();
+    b.dw1 = dw1_.get();
+    b.dw3 = dw3_.get();
+    b.dw2 = dw2_.get();
+    b.dprobs = dprobs_.get();
+    b.workspace = consume ? wsb_consume_.get() : wsb_.get();
+    b.workspace_bytes = consume ? wsb_consume_.bytes() : wsb_.bytes();
+    b.status = status_.get();
+    b.consume_saved = consume;
+    return b;
+  }
+
+  Result run(bool consume = false) {
     Result o;
+    EXPECT_EQ(wsf_.poison(), cudaSuccess);
+    EXPECT_EQ(wsb_.poison(), cudaSuccess);
+    EXPECT_EQ(wsb_consume_.poison(), cudaSuccess);
     EXPECT_EQ(out_.poison(), cudaSuccess);
     EXPECT_EQ(dx_.poison(), cudaSuccess);
     EXPECT_EQ(dw1_.poison(), cudaSuccess);
@@ -207,23 +235,7 @@ struct Layer {
     f.workspace_bytes = wsf_.bytes();
     f.status = status_.get();
     o.fwd = smoe::expert_major_forward(f, nullptr);
-    smoe::ExpertMajorBackwardArgs b;
-    b.shape = shape();
-    b.x = x_.get();
-    b.probs = probs_.get();
-    b.weights = weights();
-    b.dout = dout_.get();
-    b.saved = saved_.get();
-    b.saved_bytes = saved_.bytes();
-    b.dx = dx_.get();
-    b.dw1 = dw1_.get();
-    b.dw3 = dw3_.get();
-    b.dw2 = dw2_.get();
-    b.dprobs = dprobs_.get();
-    b.workspace = wsb_.get();
-    b.workspace_bytes = wsb_.bytes();
-    b.status = status_.get();
-    o.bwd = smoe::expert_major_backward(b, nullptr);
+    o.bwd = smoe::expert_major_backward(backward_args(consume), nullptr);
     EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     o.out = out_.download();
     o.dx = dx_.download();
@@ -306,6 +318,17 @@ void check_case(const Case& c) {
   // Bitwise: a second call gives the same bytes.
   const Result o2 = L.run();
   EXPECT_TRUE(bitwise_equal(o, o2)) << "two runs differ";
+  // consume_saved (dH over the saved H): the same bytes, then the state is spent: the backward again
+  // flags it and NaN-fills every gradient, never gradients of the overwritten H.
+  const Result o3 = L.run(true);
+  ASSERT_TRUE(o3.bwd.ok()) << o3.bwd.message;
+  EXPECT_EQ(o3.status.flags, 0u);
+  EXPECT_TRUE(bitwise_equal(o, o3)) << "consume_saved differs from the ordinary backward";
+  ASSERT_EQ(cudaMemset(L.dw2_.get(), 0, L.dw2_.bytes()), cudaSuccess);  // NaN must come from the call
+  ASSERT_TRUE(smoe::expert_major_backward(L.backward_args(true), nullptr).ok());
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_NE(L.status_.download()[0].flags & smoe::kStatusBadSavedState, 0u) << "a spent state must be flagged";
+  for (float v : to_float(L.dw2_.download())) ASSERT_TRUE(std::isnan(v)) << "dw2 after the state was spent";
 }
 
 Case make_case(int64_t valid, int d, int n, int E, GateUpLayout gu, bool probs, bool seg, int pattern,

@@ -1121,3 +1121,72 @@ TEST(GpuBadInput, GarbageSavedStateIsFlaggedNeverACrash) {
     }
   }
 }
+
+// MoEBackwardArgs::consume_saved: dH written over the saved H, in the smaller workspace (poisoned:
+// nothing may read bytes the call did not write). The gradients must be bitwise those of the
+// ordinary backward of the same forward, and the state spent after it: a second backward on it
+// flags kStatusBadSavedState and NaN-fills every gradient, never gradients of the overwritten H.
+// Top-K (counts not multiples of the tile, an expert left empty by chance or not), token rounding
+// (padded rows), provided routing, and d < n.
+TEST(GpuLayer, ConsumeSavedIsBitwiseAndSpendsTheState) {
+  auto same = [](const std::vector<bf16>& a, const std::vector<bf16>& b) {
+    return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(bf16)) == 0;
+  };
+  for (const smoe::MoERouter router :
+       {smoe::MoERouter::kTopKSoftmax, smoe::MoERouter::kTokenRounding, smoe::MoERouter::kProvided}) {
+    for (const auto& dn : {std::pair<int, int>{256, 128}, std::pair<int, int>{128, 384}}) {
+      smoe::MoEShape s{1000, dn.first, dn.second, 32, 4};
+      s.router = router;
+      const uint64_t seed = fresh_seed();
+      SCOPED_TRACE(shape_name(s) + " router " + std::to_string(static_cast<int>(router)) + " seed=" +
+                   std::to_string(seed));
+      GpuLayer g(make_inputs(s, seed));
+      if (router == smoe::MoERouter::kProvided) {
+        std::mt19937_64 rng(seed);
+        const Slots sl = random_slots(s, rng, s.E);
+        CUDA_OK(g.routed_expert.upload(sl.expert));
+        CUDA_OK(g.routed_scores.upload(sl.score));
+      }
+      ASSERT_TRUE(g.run().ok());  // forward + the ordinary backward
+      const std::vector<bf16> dx = g.dx.download(), dw1 = g.dw1.download(), dw2 = g.dw2.download(),
+                              dwr = g.dwr.download();
+      const std::vector<float> dscores = g.dscores.download();
+
+      ASSERT_TRUE(smoe::reset_device_status(g.status.get(), 0).ok());
+      ASSERT_TRUE(smoe::moe_forward(g.forward_args(), 0).ok());
+      DeviceBuffer<uint8_t> ws(smoe::moe_backward_workspace_size(s, true));
+      EXPECT_EQ(ws.bytes() + static_cast<size_t>(smoe::moe_row_capacity(s)) * 2 * s.n * 2, g.wsb.bytes())
+          << "consume_saved's workspace is the ordinary one less dH";
+      CUDA_OK(ws.poison());
+      for (auto* b : {&g.dx, &g.dwr, &g.dw1, &g.dw2}) CUDA_OK(b->poison());
+      CUDA_OK(g.dscores.poison());
+      smoe::MoEBackwardArgs b = backward_args(g);
+      b.consume_saved = true;
+      b.workspace = ws.get();
+      b.workspace_bytes = ws.bytes();
+      b.status = g.status.get();
+      smoe::Status st = smoe::moe_backward(b, 0);
+      ASSERT_TRUE(st.ok()) << st.message;
+      CUDA_OK(cudaDeviceSynchronize());
+      EXPECT_EQ(g.status.download()[0].flags & smoe::kStatusBadSavedState, 0u);
+      EXPECT_TRUE(same(dx, g.dx.download())) << "dx";
+      EXPECT_TRUE(same(dw1, g.dw1.download())) << "dw1";
+      EXPECT_TRUE(same(dw2, g.dw2.download())) << "dw2";
+      if (router == smoe::MoERouter::kProvided) {
+        EXPECT_EQ(0, std::memcmp(dscores.data(), g.dscores.download().data(), dscores.size() * sizeof(float)))
+            << "dscores";
+      } else {
+        EXPECT_TRUE(same(dwr, g.dwr.download())) << "dw_router";
+      }
+
+      // Spent: the same call again.
+      CUDA_OK(cudaMemset(g.dx.get(), 0, g.dx.bytes()));  // NaN must come from the call, not the poison
+      st = smoe::moe_backward(b, 0);
+      ASSERT_TRUE(st.ok()) << st.message;
+      CUDA_OK(cudaDeviceSynchronize());
+      EXPECT_NE(g.status.download()[0].flags & smoe::kStatusBadSavedState, 0u) << "a spent state must be flagged";
+      for (float v : to_float(g.dx.download())) ASSERT_TRUE(std::isnan(v)) << "dx after the state was spent";
+      for (float v : to_float(g.dw1.download())) ASSERT_TRUE(std::isnan(v)) << "dw1 after the state was spent";
+    }
+  }
+}
