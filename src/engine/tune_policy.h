@@ -48,9 +48,9 @@ const char* to_string(MeasureDecision d);
 // that aliases them (an in-place dH = f(H) say) would see its own writes on the second run, so it is
 // not measured. The layer passes one only under consume_saved (dH written over the saved H: the
 // dA' call, which therefore takes the heuristic's pick); its other calls never alias
-// (moe/layer_common.h, check_disjoint, plus one carver for its workspace). Extents the engine does not know (the token
-// count behind a gathered operand, the flat slot count behind scores) are taken as at least `rows`
-// rows.
+// (moe/layer_common.h, check_disjoint, plus one carver for its workspace). Extents the engine does
+// not know (the token count behind a gathered operand, the flat slot count behind scores) are taken
+// as at least `rows` rows.
 bool outputs_overlap_inputs(const VarlenMArgs& a);
 bool outputs_overlap_inputs(const VarlenKArgs& a);
 
