@@ -100,7 +100,7 @@ struct ExpertMajorBackwardArgs {
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
   DeviceStatus* status = nullptr; // optional: a bad saved state is reported here
-  // true: dH is written over the saved H and the stamp cleared first; the state is spent (a later
+  // true: dH is written over the saved H and the stamp cleared right before dA'; the state is spent (a later
   // backward on it: NaN gradients, kStatusBadSavedState). Bitwise the same gradients, in
   // expert_major_backward_workspace_size(shape, true) bytes: R x 2n bf16 fewer (MoEBackwardArgs::consume_saved).
   bool consume_saved = false;

@@ -102,7 +102,8 @@ Status choose_config(const VarlenKArgs& a, int sm_count, cudaStream_t stream, Ch
   return choose(a, sm_count, stream, overrides(), &out->config, &out->from);
 }
 
-Status varlen_m(const VarlenMArgs& a, int sm_count, cudaStream_t stream) {
+Status prepare_varlen_m(const VarlenMArgs& a, int sm_count, cudaStream_t stream, PreparedVarlenM* out) {
+  *out = PreparedVarlenM{};
   SMOE_RETURN_IF_ERROR(check_varlen_m(a));
   if (a.rows == 0) return Status{};
   Choice ch;
@@ -116,7 +117,18 @@ Status varlen_m(const VarlenMArgs& a, int sm_count, cudaStream_t stream) {
                  c ? n_band_text(a.N, a.K, c->bn).c_str() : "-");
   const RunVarlenM run = c ? find_varlen_m(*c) : nullptr;
   if (run == nullptr) return no_instance(c, "engine::varlen_m");
-  return run(a, sm_count, stream);
+  out->run = run;
+  return Status{};
+}
+
+Status PreparedVarlenM::launch(const VarlenMArgs& a, int sm_count, cudaStream_t stream) const {
+  return run == nullptr ? Status{} : run(a, sm_count, stream);
+}
+
+Status varlen_m(const VarlenMArgs& a, int sm_count, cudaStream_t stream) {
+  PreparedVarlenM p;
+  SMOE_RETURN_IF_ERROR(prepare_varlen_m(a, sm_count, stream, &p));
+  return p.launch(a, sm_count, stream);
 }
 
 Status varlen_k(const VarlenKArgs& a, int sm_count, cudaStream_t stream) {

@@ -39,6 +39,7 @@
 
 #include "engine/args.h"
 #include "engine/config.h"
+#include "engine/dispatch.h"  // RunVarlenM
 #include "engine/epilogue/dswiglu.h"  // ds_partial_tiles: the layer sizes the dS partials by it
 
 namespace smoe {
@@ -52,6 +53,17 @@ constexpr int kRowTile = 128;
 // (heuristic.h, with the overrides of overrides.h) runs on `stream` over a grid of <= sm_count CTAs.
 Status varlen_m(const VarlenMArgs& a, int sm_count, cudaStream_t stream);
 Status varlen_k(const VarlenKArgs& a, int sm_count, cudaStream_t stream);
+
+// varlen_m in two steps, for a caller that must know the call will launch before it changes any
+// state: the layer's consuming backward (MoEBackwardArgs::consume_saved) spends the saved state only
+// once its dA' GEMM is prepared, so a call refused here leaves that state as it was.
+// prepare_varlen_m checks the rules and makes (and prints) the choice, launching nothing but what
+// SMOE_ENGINE_TUNE=1 measures; launch then runs it on the same arguments. varlen_m is the two in turn.
+struct PreparedVarlenM {
+  RunVarlenM run = nullptr;  // null after a refusal, and for zero rows (nothing to launch)
+  Status launch(const VarlenMArgs& a, int sm_count, cudaStream_t stream) const;
+};
+Status prepare_varlen_m(const VarlenMArgs& a, int sm_count, cudaStream_t stream, PreparedVarlenM* out);
 
 // The configuration a (rule-abiding) call runs and where it came from, as SMOE_ENGINE_PRINT shows it:
 // "tuned" (the tune cache), "measured" (measured now: SMOE_ENGINE_TUNE=1, tuner.h), "override" (a

@@ -35,8 +35,11 @@ Status expert_major_backward(const ExpertMajorBackwardArgs& a, cudaStream_t stre
   SMOE_RETURN_IF_ERROR(kernels::check_saved(sv.stamp, expert_major::kSavedMagic, expert_major::saved_shape_hash(s),
                                             sv.bytes, sv.expert_offset, s.E, w.valid, w.expert_offset, a.status,
                                             stream));
-  // consume_saved: spent from here on (dH goes over H below), so the stamp goes first.
-  if (a.consume_saved) SMOE_RETURN_IF_ERROR(kernels::clear_saved_stamp(sv.stamp, stream));
+  // consume_saved spends the state (dH goes over H below): the stamp is cleared once dA' is
+  // prepared, before it launches (see src/moe/backward.cu).
+  auto spend_saved = [&]() -> Status {
+    return a.consume_saved ? kernels::clear_saved_stamp(sv.stamp, stream) : Status{};
+  };
   const int32_t* expert_offset = w.expert_offset;
   auto nan_if_invalid = [&]() -> Status {
     return kernels::nan_fill_if_invalid(w.valid,
@@ -48,6 +51,7 @@ Status expert_major_backward(const ExpertMajorBackwardArgs& a, cudaStream_t stre
                                         stream);
   };
   if (s.rows == 0) {  // no row: every weight gradient is zero (overwritten, never accumulated)
+    SMOE_RETURN_IF_ERROR(spend_saved());
     SMOE_CUDA_RETURN(cudaMemsetAsync(a.dw1, 0, w1_bytes, stream));
     if (separate) SMOE_CUDA_RETURN(cudaMemsetAsync(a.dw3, 0, w1_bytes, stream));
     SMOE_CUDA_RETURN(cudaMemsetAsync(a.dw2, 0, w2_bytes, stream));
@@ -59,7 +63,11 @@ Status expert_major_backward(const ExpertMajorBackwardArgs& a, cudaStream_t stre
   // Scores by entry = row; scatter: grouped row -> entry = row.
   bf16* const dH = a.consume_saved ? sv.h : w.dH;  // in place over H: see src/moe/backward.cu
   const layer::DSwiGLUIo io{sv.h, sv.scores, sv.row_of, dH, w.a_prime, w.ds_partial};
-  SMOE_RETURN_IF_ERROR(engine::varlen_m(layer::da_proj_args(er, a.dout, a.weights.w2, gu.halves, io), sms, stream));
+  const engine::VarlenMArgs da = layer::da_proj_args(er, a.dout, a.weights.w2, gu.halves, io);
+  engine::PreparedVarlenM da_gemm;
+  SMOE_RETURN_IF_ERROR(engine::prepare_varlen_m(da, sms, stream, &da_gemm));
+  SMOE_RETURN_IF_ERROR(spend_saved());
+  SMOE_RETURN_IF_ERROR(da_gemm.launch(da, sms, stream));
   // Grouped rows past nnz are the padding rows (row_of): their dprobs entry gets 0.
   SMOE_RETURN_IF_ERROR(kernels::ds_rowsum(w.ds_partial, engine::ds_partial_tiles(s.n), sv.row_of, s.rows,
                                           expert_offset + s.E, dS, stream, w.valid));

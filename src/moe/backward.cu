@@ -83,10 +83,13 @@ Status moe_backward(const MoEBackwardArgs& a, cudaStream_t stream) {
                                             plan::kSavedMagic, plan::saved_shape_hash(s, two),
                                             moe_saved_state_size(s), sv.expert_offset, s.E, w.valid,
                                             w.expert_offset, a.status, stream));
-  // consume_saved: the state is spent from here on (dH goes over H below), so its stamp goes first:
-  // a second backward on it meets no stamp, as after a forward that stopped half way.
-  if (a.consume_saved)
-    SMOE_RETURN_IF_ERROR(kernels::clear_saved_stamp(plan::saved_layout(s, const_cast<void*>(a.saved)).stamp, stream));
+  // consume_saved spends the state (dH goes over H below): its stamp is cleared before dA' launches,
+  // once dA' is prepared (spend_saved), so a second backward on it meets no stamp, as after a forward
+  // that stopped half way, while a call refused before dA' leaves the state as it was.
+  auto spend_saved = [&]() -> Status {
+    return a.consume_saved ? kernels::clear_saved_stamp(plan::saved_layout(s, const_cast<void*>(a.saved)).stamp, stream)
+                           : Status{};
+  };
   const int32_t* expert_offset = w.expert_offset;
   const int32_t* valid = w.valid;
   const int32_t* nnz = expert_offset + s.E;
@@ -101,6 +104,7 @@ Status moe_backward(const MoEBackwardArgs& a, cudaStream_t stream) {
                                         stream);
   };
   if (s.T == 0) {  // no token: every weight gradient is zero (they are overwritten, never accumulated)
+    SMOE_RETURN_IF_ERROR(spend_saved());
     if (a.x_ready != nullptr) SMOE_CUDA_RETURN(cudaStreamWaitEvent(stream, a.x_ready, 0));
     SMOE_CUDA_RETURN(cudaMemsetAsync(a.dw1, 0, w1_bytes, stream));
     if (two) SMOE_CUDA_RETURN(cudaMemsetAsync(a.dw3, 0, w1_bytes, stream));
@@ -118,7 +122,11 @@ Status moe_backward(const MoEBackwardArgs& a, cudaStream_t stream) {
   // bits are those of a separate dH (GpuEngine's in-place checks, every dA' instance).
   bf16* const dH = a.consume_saved ? sv.h : w.dH;
   const layer::DSwiGLUIo io{sv.h, sv.scores, sv.scatter_idx, dH, w.a_prime, w.ds_partial};
-  SMOE_RETURN_IF_ERROR(engine::varlen_m(layer::da_proj_args(er, a.dout, a.weights.w2, gu.halves, io), sms, stream));
+  const engine::VarlenMArgs da = layer::da_proj_args(er, a.dout, a.weights.w2, gu.halves, io);
+  engine::PreparedVarlenM da_gemm;
+  SMOE_RETURN_IF_ERROR(engine::prepare_varlen_m(da, sms, stream, &da_gemm));
+  SMOE_RETURN_IF_ERROR(spend_saved());
+  SMOE_RETURN_IF_ERROR(da_gemm.launch(da, sms, stream));
   SMOE_RETURN_IF_ERROR(kernels::ds_rowsum(w.ds_partial, engine::ds_partial_tiles(s.n), sv.scatter_idx, rows,
                                           nnz, dS, stream, valid));
   profile::mark("dA_proj", stream);

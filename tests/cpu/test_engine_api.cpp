@@ -140,6 +140,25 @@ TEST(EngineApi, ZeroRowsRunNothing) {
   EXPECT_TRUE(eng::varlen_m(a, 132, nullptr).ok());
 }
 
+// prepare_varlen_m refuses what varlen_m refuses, before any launch, and leaves nothing to launch; a
+// call with no row prepares nothing and its launch runs nothing (the layer's consuming backward spends
+// the saved state only after a successful prepare).
+TEST(EngineApi, PrepareRefusesBeforeAnyLaunch) {
+  auto a = good_m();
+  a.N = 100;
+  eng::PreparedVarlenM p;
+  p.run = &eng::varlen_m;  // stale: a refusal must clear it
+  expect_rejected(eng::prepare_varlen_m(a, 132, nullptr, &p), "N = 100");
+  EXPECT_EQ(p.run, nullptr);
+  a = good_m();
+  a.rows = 0;
+  a.A = nullptr;
+  p.run = &eng::varlen_m;
+  EXPECT_TRUE(eng::prepare_varlen_m(a, 132, nullptr, &p).ok());
+  EXPECT_EQ(p.run, nullptr);
+  EXPECT_TRUE(p.launch(a, 132, nullptr).ok());
+}
+
 TEST(EngineApi, VarlenKRules) {
   eng::VarlenKArgs k;
   k.num_experts = 4;
