@@ -25,14 +25,16 @@
 #             BENCH_TIMEOUT (500 s a command)
 #   sonic     SonicMoE next to ours and torch in one process (bench/drivers/side_by_side.py), carrying
 #             .whl (bench/baselines/sonicmoe_env.sh pack). SONIC_STAGE=warm (default: builds our
-#             extension, runs SonicMoE alone on SONIC_WARM_CONFIG so its cold Triton autotune
+#             extension, runs SonicMoE alone on SONIC_WARM_CONFIG so its cold (quack) autotune
 #             fills the machine's cache) or run (the next call on the still-warm machine:
 #             SONIC_CONFIGS names, default all of SONIC_CONFIGS_FILES: bench/configs/configs.json,
 #             or several files comma-separated, e.g. adding sweep_configs.json and wide_configs.json).
 #             SONIC_BUDGET (570 s from the script's start) caps both. SONIC_STAGE=profile (after warm, as
 #             run): bench/drivers/sonic_profile.py, both systems' kernels one by one (torch.profiler) on
 #             SONIC_PROFILE_CONFIGS (default the large six) -> $OUT/sonic/profile/{<config>.<system>.md,profile.json};
-#             SONIC_PROFILE_RESUME=<an earlier call's profile.json, copied into the tree>: profile only what it lacks
+#             SONIC_PROFILE_RESUME=<an earlier call's profile.json, copied into the tree>: profile only what it lacks.
+#             Every stage seeds quack's autotune cache with bench/baselines/sonic_autotune/<card>/ and
+#             brings the cache's results back in $OUT/sonic/autotune/<card>/ (SONIC_AUTOTUNE_SEED=0: cold)
 #   tune      the engine tuner's evidence: for each configs file of TUNE_CONFIGS (default
 #             bench/configs/configs.json and bench/configs/wide_configs.json; the 41 shapes for
 #             re-deriving the heuristic add sweep_configs.json and tune_extra_configs.json) build/smoe_tune into a
@@ -415,11 +417,48 @@ step_tune() {
 summary_tune() { grep -E "^\| |timed out|rc=" "$OUT/tune/tuner.md" "$1" 2>/dev/null | grep -vE "^\S+:\|---" | head -40; }
 
 SONIC_LARGE_SIX='Qwen3-Next-80B,30B n512 E128 K8,30B n256 E256 K16,Qwen3-235B,120B n1024 E128 K8,OLMoE-7B'
+# SonicMoE's autotune results, per card: quack times every candidate of each GEMM on its first call
+# of a shape and keeps the timings in <cache>/<key>/<kernel>.autotune.json (a few KB each; the key
+# hashes quack's version, the shape key and the candidate list, not the card). On a fresh machine
+# that is the warm stage's minutes. The results measured on a card kind are committed under
+# bench/baselines/sonic_autotune/<card>/ (h100, h200; SONIC_AUTOTUNE_DIR replaces the folder) and
+# copied into a fresh cache before the stage, never over a result already there: SonicMoE then runs
+# its own autotuner's picks for that card and compiles only those. SONIC_AUTOTUNE_SEED=0 starts
+# cold. After the stage every result in the cache goes to $OUT/sonic/autotune/<card>/ (in
+# 00-all.tgz); new ones go into the tree with `cp -rn <that folder>/. bench/baselines/sonic_autotune/<card>/`.
+SONIC_CACHE="${SONIC_CACHE_DIR:-/tmp/smoe_quack_cache}"
+sonic_card() {  # h100, h200 or other (SONIC_CARD overrides: the dry-run tests)
+  local name="${SONIC_CARD:-}"
+  [ -n "$name" ] && { echo "$name"; return; }
+  dry || name="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)"
+  case "$name" in *H200*) echo h200 ;; *H100*) echo h100 ;; *) echo other ;; esac
+}
+sonic_autotune_seed() {
+  local src="${SONIC_AUTOTUNE_DIR:-bench/baselines/sonic_autotune}/$1"
+  [ "${SONIC_AUTOTUNE_SEED:-1}" = 0 ] && { say "SonicMoE autotune: cold (SONIC_AUTOTUNE_SEED=0)"; return 0; }
+  [ -d "$src" ] || { say "SonicMoE autotune: no committed results for $1 ($src): cold"; return 0; }
+  x mkdir -p "$SONIC_CACHE"
+  x cp -rn "$src/." "$SONIC_CACHE/"
+}
+sonic_autotune_harvest() {
+  local dst="$OUT/sonic/autotune/$1"
+  dry && { say "+ (every *.autotune.json of $SONIC_CACHE, with its key folder, into ${dst#"$ROOT"/})"; return 0; }
+  local files=()
+  [ -d "$SONIC_CACHE" ] && mapfile -t files < <(cd "$SONIC_CACHE" && find . -name '*.autotune.json' | sort)
+  if [ "${#files[@]}" -gt 0 ]; then
+    mkdir -p "$dst" && (cd "$SONIC_CACHE" && cp --parents "${files[@]}" "$dst/")
+  fi
+  say "SonicMoE autotune: ${#files[@]} result(s) in $SONIC_CACHE, copied to ${dst#"$ROOT"/}"
+}
+
 step_sonic() {
   if ! dry && [ ! -d .whl ]; then say "no .whl/: run bench/baselines/sonicmoe_env.sh pack here and carry .whl"; return 1; fi
   torch_ext || return 1
-  local d="$OUT/sonic" rc=0 had_pp="${PYTHONPATH+set}" old_pp="${PYTHONPATH:-}" envline
+  local d="$OUT/sonic" rc=0 had_pp="${PYTHONPATH+set}" old_pp="${PYTHONPATH:-}" envline card
   mkdir -p "$d"
+  card="$(sonic_card)"
+  sonic_autotune_seed "$card"
+  export QUACK_CACHE_DIR="$SONIC_CACHE"
   say "+ eval \"\$(bash bench/baselines/sonicmoe_env.sh install)\""
   if ! dry; then
     envline="$(bash bench/baselines/sonicmoe_env.sh install)" || return 1
@@ -447,6 +486,8 @@ step_sonic() {
   else
     say "sonicmoe does not import"; rc=1
   fi
+  sonic_autotune_harvest "$card"
+  unset QUACK_CACHE_DIR
   if [ "$had_pp" = set ]; then export PYTHONPATH="$old_pp"; else unset PYTHONPATH; fi
   return $rc
 }

@@ -288,3 +288,34 @@ def test_sonic_profile_stage_profiles_the_large_six_or_the_named_configs(tmp_pat
                        env=dict(e, SONIC_PROFILE_RESUME=".devrun/prev.json"), capture_output=True, text=True, timeout=60)
     line = next(x for x in r.stdout.splitlines() if "sonic_profile.py" in x)
     assert line.endswith("--resume .devrun/prev.json &> " + str(tmp_path / "out" / "sonic" / "profile.log")), line
+
+
+def test_sonic_stage_seeds_the_cards_committed_autotune_results_and_harvests_the_cache(tmp_path):
+    # Dry run: the committed results of the card (SONIC_CARD stands in for nvidia-smi) are copied into
+    # the quack cache before SonicMoE runs, never over what is there; the cache's results come back after.
+    committed = tmp_path / "sonic_autotune"
+    (committed / "h100" / "KEY").mkdir(parents=True)
+    (committed / "h100" / "KEY" / "gemm.autotune.json").write_text("{}")
+    e = dict(os.environ, OUT=str(tmp_path / "out"), SMOE_COMMIT="test", DEVICE_DRY_RUN="1", SONIC_STAGE="run",
+             SONIC_AUTOTUNE_DIR=str(committed), SONIC_CACHE_DIR=str(tmp_path / "cache"))
+
+    def stage(**env):
+        r = subprocess.run(["bash", str(ROOT / "scripts" / "device.sh"), "sonic"], cwd=ROOT, env=dict(e, **env),
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stdout + r.stderr
+        lines = r.stdout.splitlines()
+        run = next(i for i, x in enumerate(lines) if "side_by_side.py" in x)
+        return lines, run
+
+    lines, run = stage(SONIC_CARD="h100")
+    seed = next(i for i, x in enumerate(lines) if x.startswith("+ cp -rn "))
+    assert lines[seed] == f"+ cp -rn {committed}/h100/. {tmp_path / 'cache'}/", lines[seed]
+    assert seed < run, "seeded after SonicMoE ran"
+    harvest = next(i for i, x in enumerate(lines) if "*.autotune.json" in x)
+    assert harvest > run and str(tmp_path / "out" / "sonic" / "autotune" / "h100") in lines[harvest]
+    lines, _ = stage(SONIC_CARD="h200")  # no results for this card: cold, nothing copied
+    assert not any(x.startswith("+ cp -rn ") for x in lines)
+    assert any("no committed results for h200" in x for x in lines)
+    lines, _ = stage(SONIC_CARD="h100", SONIC_AUTOTUNE_SEED="0")
+    assert not any(x.startswith("+ cp -rn ") for x in lines)
+    assert any("cold (SONIC_AUTOTUNE_SEED=0)" in x for x in lines)
