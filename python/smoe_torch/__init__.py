@@ -25,6 +25,10 @@ Each has a fake (meta) implementation, so torch.compile(fullgraph=True) traces t
 moe_forward, moe_forward_tr, moe_forward_routed and ep_forward have autograd registered (backward =
 the matching backward op). `saved` is an opaque uint8 tensor (H [TK,2n] bf16 + routing metadata:
 4TKn + O(TK) bytes): that plus references to x and the weights is all autograd keeps for backward.
+The three backward ops take consume_saved=False last: True writes dH over the saved H (4TKn bytes
+less at the backward's peak) and spends the state (a later backward on it gives NaN gradients and a
+raise_if_nonfinite() error). Autograd passes True only in an eager backward without retain_graph /
+create_graph (_ops._consume_saved); SMOE_CONSUME_SAVED=0 turns that off.
 
 This module only re-exports. Where things live: _ops.py loads the extension (_C) and registers the
 ops' fakes and autograd (and the EP ops', via load_ep); _layout.py computes the saved-state sizes the

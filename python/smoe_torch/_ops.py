@@ -9,6 +9,8 @@ expert-parallel ops (smoe_torch._ep, csrc/ep_ops.cpp, built only with NCCL) are 
 registered by load_ep(), which smoe_torch.ep calls when it is imported. Buffer sizes come from
 _layout.py.
 """
+import os
+
 import torch
 
 from . import _C  # noqa: F401  (registers torch.ops.smoe.*)
@@ -44,18 +46,18 @@ def _moe_forward_routed_fake(x, w1, w2, expert, scores, w3=None):
 
 
 @torch.library.register_fake("smoe::moe_backward_routed")
-def _moe_backward_routed_fake(dout, x, w1, w2, saved, top_k, w3=None):
+def _moe_backward_routed_fake(dout, x, w1, w2, saved, top_k, w3=None, consume_saved=False):
     return (torch.empty_like(x), _dw1_fake(w1, w3), torch.empty_like(w2),
             x.new_empty((x.shape[0], top_k), dtype=torch.float32))
 
 
 @torch.library.register_fake("smoe::moe_backward_tr")
-def _moe_backward_tr_fake(dout, x, w_router, w1, w2, saved, top_k, rounding, w3=None):
+def _moe_backward_tr_fake(dout, x, w_router, w1, w2, saved, top_k, rounding, w3=None, consume_saved=False):
     return torch.empty_like(x), torch.empty_like(w_router), _dw1_fake(w1, w3), torch.empty_like(w2)
 
 
 @torch.library.register_fake("smoe::moe_backward")
-def _moe_backward_fake(dout, x, w_router, w1, w2, saved, top_k, w3=None):
+def _moe_backward_fake(dout, x, w_router, w1, w2, saved, top_k, w3=None, consume_saved=False):
     return torch.empty_like(x), torch.empty_like(w_router), _dw1_fake(w1, w3), torch.empty_like(w2)
 
 
@@ -92,6 +94,38 @@ def _dout(dout, like):
     return torch.zeros_like(like) if dout is None else dout.contiguous()
 
 
+def _consume_saved(saved, dout=None):
+    """Whether this backward may write dH over the saved H (consume_saved: H's bytes, 4TKn, less at the
+    backward's peak, what SonicMoE's per-GEMM autograd nodes get by freeing H after its dH kernel).
+
+    Only where nothing can read the saved state again: an eager backward (a plain tensor, no dispatch
+    mode, not compiling: a traced graph must never carry the flag into a later replay) run by the
+    autograd engine without keep_graph (retain_graph / create_graph false), which frees the saved
+    tensors as the node returns. Not under a functorch transform either: batched gradients
+    (autograd.grad(is_grads_batched=True), jacobian(vectorize=True)) run the op once per batch slice
+    on the one saved state. Not while a CUDA graph is captured (its backward may be replayed more
+    often than its forward). SMOE_CONSUME_SAVED=0 turns it off. Were the state read again anyway,
+    the library finds its stamp cleared: NaN gradients and the bad-saved-state status, never the
+    gradients of an overwritten H."""
+    if torch.compiler.is_compiling() or _CONSUME_OFF or type(saved) is not torch.Tensor:
+        return False
+    if torch.utils._python_dispatch._get_current_dispatch_mode() is not None:
+        return False
+    if torch._C._are_functorch_transforms_active():
+        return False
+    if dout is not None and (torch._C._functorch.is_batchedtensor(dout)
+                             or torch._C._functorch.is_legacy_batchedtensor(dout)):
+        return False  # autograd.grad(is_grads_batched=True): the legacy vmap, no transform level
+    if saved.is_cuda and torch.cuda.is_current_stream_capturing():
+        return False
+    if torch._C._current_graph_task_id() == -1:  # called directly, not by the autograd engine
+        return False
+    return not torch._C._autograd._get_current_graph_task_keep_graph()
+
+
+_CONSUME_OFF = os.environ.get("SMOE_CONSUME_SAVED", "1") == "0"
+
+
 def _setup_context(ctx, inputs, output):
     x, w_router, w1, w2, top_k, w3 = inputs
     _, saved = output
@@ -102,7 +136,8 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dout, _dsaved):
     x, w_router, w1, w2, saved, w3 = ctx.saved_tensors
-    dx, dwr, dw1, dw2 = ops.moe_backward(_dout(dout, x), x, w_router, w1, w2, saved, ctx.top_k, w3)
+    dx, dwr, dw1, dw2 = ops.moe_backward(_dout(dout, x), x, w_router, w1, w2, saved, ctx.top_k, w3,
+                                         _consume_saved(saved, dout))
     dw1, dw3 = _split_dw1(dw1, w3)
     return dx, dwr, dw1, dw2, None, dw3
 
@@ -119,7 +154,8 @@ def _setup_context_tr(ctx, inputs, output):
 
 def _backward_tr(ctx, dout, _dsaved):
     x, w_router, w1, w2, saved, w3 = ctx.saved_tensors
-    dx, dwr, dw1, dw2 = ops.moe_backward_tr(_dout(dout, x), x, w_router, w1, w2, saved, ctx.top_k, ctx.rounding, w3)
+    dx, dwr, dw1, dw2 = ops.moe_backward_tr(_dout(dout, x), x, w_router, w1, w2, saved, ctx.top_k, ctx.rounding, w3,
+                                            _consume_saved(saved, dout))
     dw1, dw3 = _split_dw1(dw1, w3)
     return dx, dwr, dw1, dw2, None, None, None, dw3
 
@@ -136,7 +172,8 @@ def _setup_context_routed(ctx, inputs, output):
 
 def _backward_routed(ctx, dout, _dsaved):
     x, w1, w2, saved, w3 = ctx.saved_tensors
-    dx, dw1, dw2, dscores = ops.moe_backward_routed(_dout(dout, x), x, w1, w2, saved, ctx.top_k, w3)
+    dx, dw1, dw2, dscores = ops.moe_backward_routed(_dout(dout, x), x, w1, w2, saved, ctx.top_k, w3,
+                                                    _consume_saved(saved, dout))
     dw1, dw3 = _split_dw1(dw1, w3)
     return dx, dw1, dw2, None, dscores, dw3
 

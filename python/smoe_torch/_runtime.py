@@ -19,7 +19,8 @@ def nonfinite_status(device=None):
 # layer's flags show here too.
 _FLAG_NAMES = {1: "non-finite router logits", 2: "expert id outside [-1, E)", 4: "expert listed twice in a token",
                8: "non-finite routing scores",
-               16: "a backward got a saved state not written by the forward for its shape (its gradients are NaN)",
+               16: "a backward got a saved state not written by the forward for its shape, or one an earlier backward "
+                   "spent (consume_saved; its gradients are NaN)",
                32: "expert-major counts / segment_offset invalid (that forward's outputs are NaN)"}
 
 

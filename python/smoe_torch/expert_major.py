@@ -52,8 +52,10 @@ import torch.nn.functional as F
 
 try:
     from . import _ops  # noqa: F401  (loads smoe_torch._C: torch.ops.smoe.*, this layer's ops included)
+    from ._ops import _consume_saved  # the backward writes dH over the saved H where autograd frees it
 except ImportError:  # loaded as a plain file, without its package (the CPU tests of expert_major_ref)
-    pass
+    def _consume_saved(saved, dout=None):
+        return False
 
 GATE_UP_LAYOUTS = {"interleaved": 0, "separate": 1, "concatenated": 2}  # smoe::GateUpLayout
 STATUS_BAD_SAVED_STATE = 1 << 4   # smoe::kStatusBadSavedState (backward)
@@ -79,7 +81,7 @@ def _fwd_fake(x, counts, segment_offset, probs, w1, w3, w2, gate_up):
     return torch.empty_like(x), saved
 
 
-def _bwd_fake(dout, x, probs, w1, w3, w2, saved, gate_up, segmented):
+def _bwd_fake(dout, x, probs, w1, w3, w2, saved, gate_up, segmented, consume_saved=False):
     return (torch.empty_like(x), torch.empty_like(w1), None if w3 is None else torch.empty_like(w3),
             torch.empty_like(w2), None if probs is None else x.new_empty((x.shape[0],), dtype=torch.float32))
 
@@ -143,7 +145,8 @@ class _ExpertMajorFunction(torch.autograd.Function):
     def backward(ctx, dout):
         x, probs, w1, w3, w2, saved = ctx.saved_tensors
         dx, dw1, dw3, dw2, dprobs = torch.ops.smoe.expert_major_bwd(
-            dout.contiguous(), x, probs, w1, w3, w2, saved, ctx.gate_up, ctx.segmented)
+            dout.contiguous(), x, probs, w1, w3, w2, saved, ctx.gate_up, ctx.segmented,
+            _consume_saved(saved, dout))
         return dx, None, None, dprobs, dw1, dw3, dw2, None
 
 

@@ -428,6 +428,39 @@ def test_gpu_bitwise_deterministic(gpu, name):
 
 
 @needs_gpu
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_gpu_consuming_the_saved_state_is_bitwise_and_only_without_retain_graph(gpu, layout, monkeypatch):
+    """The eager backward writes dH over the saved H where autograd frees the state (_ops._consume_saved;
+    ExpertMajorBackwardArgs::consume_saved): bitwise the gradients of the backward that keeps it. With
+    retain_graph it keeps the state: a second backward on the same graph gives the same gradients
+    (a spent state would give NaN and the bad-saved-state flag)."""
+    import smoe_torch._ops as ops_mod
+    gen = fresh_gen("cuda")
+    c = gpu_inputs("counts_off_tile", layout, True, gen)
+    monkeypatch.setattr(ops_mod, "_CONSUME_OFF", True)
+    kept = run_layer(expert_major, c)
+    monkeypatch.setattr(ops_mod, "_CONSUME_OFF", False)
+    spent = run_layer(expert_major, c)
+    for what, u, v in zip(NAMES, kept, spent):
+        assert (u is None and v is None) or torch.equal(u, v), f"seed={gen.initial_seed()} {layout}: {what}"
+    leaves = [None if t is None else t.clone().requires_grad_(True)
+              for t in (c["x"], c["w1"], c["w3"], c["w2"], c["probs"])]
+    out = expert_major(leaves[0], c["counts"], leaves[1], leaves[3], leaves[2], probs=leaves[4],
+                       segment_offset=c["seg"], gate_up=c["layout"])
+    em.reset_expert_major_status()
+    out.backward(c["dout"], retain_graph=True)
+    first = [None if t is None else t.grad.clone() for t in leaves]
+    for t in leaves:
+        if t is not None:
+            t.grad = None
+    out.backward(c["dout"])
+    assert em.expert_major_status() & em.STATUS_BAD_SAVED_STATE == 0, "retain_graph: the state was spent"
+    for what, a, b, k in zip(NAMES[1:], first, [None if t is None else t.grad for t in leaves], kept[1:]):
+        assert (a is None and b is None) or (torch.equal(a, b) and torch.equal(a, k)), \
+            f"{layout}: {what} after retain_graph"
+
+
+@needs_gpu
 def test_gpu_saved_state_size_matches_the_library(gpu):
     for R, n, E in ((0, 64, 1), (1, 64, 4), (300, 128, 8), (1000, 192, 256)):
         x = torch.zeros(R, 64, dtype=torch.bfloat16, device="cuda")

@@ -519,13 +519,10 @@ def test_zero_tokens_through_every_op():
         assert gw2 is not None and gw2.abs().sum().item() == 0, name
 
 
-@pytest.mark.parametrize("op", ["moe_forward", "moe_forward_tr", "moe_forward_routed"])
-def test_backward_allocates_no_gradient_for_the_saved_state(op):
-    """The saved state (an output) takes no gradient (_ops._saved_takes_no_grad): the autograd backward
-    needs no more memory than the backward op called directly. Before, the engine allocated and
-    zero-filled a tensor of the saved state's size (4TKn bytes) on every backward; this shape makes that
-    the larger of the two by far (saved 67 MB against 2 MB per weight), so the check fails then."""
-    T, d, n, E, K = 8192, 256, 512, 8, 4
+def _saved_state_case(op, T, d, n, E, K):
+    """Inputs of one smoe forward op (gate/up as two tensors), its leaves, and two closures: forward()
+    (a fresh autograd graph: (out, saved)) and direct(saved) (the matching backward op called on the
+    plain tensors, keeping the state)."""
     gen = fresh_gen()  # no reference here, so near-tie logits do not matter (draw() would reject most)
     x, dout = (torch.randn(T, d, generator=gen, device="cuda").bfloat16() for _ in range(2))
     wr = (torch.randn(E, d, generator=gen, device="cuda") / math.sqrt(d)).bfloat16()
@@ -538,29 +535,75 @@ def test_backward_allocates_no_gradient_for_the_saved_state(op):
         vals, expert = logits.topk(K, dim=-1)
         scores = vals.softmax(dim=-1).requires_grad_(True)
         expert = expert.to(torch.int32)
-        out, saved = torch.ops.smoe.moe_forward_routed(xl, w1l, w2l, expert, scores, w3l)
-        direct = lambda: torch.ops.smoe.moe_backward_routed(  # noqa: E731
-            dout, x, w1, w2, saved, K, w3)
+        leaves = [xl, w1l, w2l, w3l, scores]
+        forward = lambda: torch.ops.smoe.moe_forward_routed(xl, w1l, w2l, expert, scores, w3l)  # noqa: E731
+        direct = lambda saved: torch.ops.smoe.moe_backward_routed(dout, x, w1, w2, saved, K, w3)  # noqa: E731
     elif op == "moe_forward_tr":
-        out, saved = torch.ops.smoe.moe_forward_tr(xl, wrl, w1l, w2l, K, 1, 7, w3l)
-        direct = lambda: torch.ops.smoe.moe_backward_tr(dout, x, wr, w1, w2, saved, K, 1, w3)  # noqa: E731
+        forward = lambda: torch.ops.smoe.moe_forward_tr(xl, wrl, w1l, w2l, K, 1, 7, w3l)  # noqa: E731
+        direct = lambda saved: torch.ops.smoe.moe_backward_tr(dout, x, wr, w1, w2, saved, K, 1, w3)  # noqa: E731
     else:
-        out, saved = torch.ops.smoe.moe_forward(xl, wrl, w1l, w2l, K, w3l)
-        direct = lambda: torch.ops.smoe.moe_backward(dout, x, wr, w1, w2, saved, K, w3)  # noqa: E731
+        forward = lambda: torch.ops.smoe.moe_forward(xl, wrl, w1l, w2l, K, w3l)  # noqa: E731
+        direct = lambda saved: torch.ops.smoe.moe_backward(dout, x, wr, w1, w2, saved, K, w3)  # noqa: E731
+    return leaves, dout, forward, direct
 
-    def peak_over_now(fn):
-        torch.cuda.synchronize()
-        now = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        kept = fn()
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - now, kept
 
-    by_op, grads = peak_over_now(direct)
+def _peak_over_now(fn):
+    torch.cuda.synchronize()
+    now = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    kept = fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - now, kept
+
+
+@pytest.mark.parametrize("op", ["moe_forward", "moe_forward_tr", "moe_forward_routed"])
+def test_backward_allocates_no_gradient_for_the_saved_state(op, monkeypatch):
+    """The saved state (an output) takes no gradient (_ops._saved_takes_no_grad): the autograd backward
+    needs no more memory than the backward op called directly. Before, the engine allocated and
+    zero-filled a tensor of the saved state's size (4TKn bytes) on every backward; this shape makes that
+    the larger of the two by far (saved 67 MB against 2 MB per weight), so the check fails then. The
+    autograd backward keeps the state here (consume_saved off) to compare like with like."""
+    monkeypatch.setattr(smoe_torch._ops, "_CONSUME_OFF", True)
+    leaves, dout, forward, direct = _saved_state_case(op, 8192, 256, 512, 8, 4)
+    out, saved = forward()
+    by_op, grads = _peak_over_now(lambda: direct(saved))
     del grads
-    by_autograd, _ = peak_over_now(lambda: out.backward(dout))
-    assert xl.grad is not None and w2l.grad is not None
+    by_autograd, _ = _peak_over_now(lambda: out.backward(dout))
+    assert all(t.grad is not None for t in leaves)
     assert by_autograd - by_op < saved.numel() // 2, (op, by_autograd, by_op, saved.numel())
+
+
+@pytest.mark.parametrize("op", ["moe_forward", "moe_forward_tr", "moe_forward_routed"])
+def test_backward_consumes_the_saved_state_only_when_autograd_frees_it(op, monkeypatch):
+    """_ops._consume_saved: an eager backward without retain_graph writes dH over the saved H
+    (MoEBackwardArgs::consume_saved). Its gradients are bitwise those of the backward that keeps the state,
+    at H's bytes (R x 2n bf16, R >= TK) less peak. With retain_graph the state is kept: a second backward
+    on the same graph gives the same gradients again (a spent state would give NaN and raise at
+    raise_if_nonfinite's check of the status)."""
+    T, d, n, E, K = 4096, 256, 512, 8, 4
+    leaves, dout, forward, _ = _saved_state_case(op, T, d, n, E, K)
+
+    def backward(consume_off, retain=False, out=None):
+        monkeypatch.setattr(smoe_torch._ops, "_CONSUME_OFF", consume_off)
+        for t in leaves:
+            t.grad = None
+        out = forward()[0] if out is None else out
+        peak, _ = _peak_over_now(lambda: out.backward(dout, retain_graph=retain))
+        return [t.grad.clone() for t in leaves], peak, out
+
+    kept, peak_kept, _ = backward(consume_off=True)
+    spent, peak_spent, _ = backward(consume_off=False)
+    for i, (a, b) in enumerate(zip(kept, spent)):
+        assert torch.equal(a, b), f"{op}: gradient {i} differs when the saved state is consumed"
+    h_bytes = T * K * 2 * n * 2
+    assert peak_kept - peak_spent >= 0.95 * h_bytes, (op, peak_kept, peak_spent, h_bytes)
+
+    smoe_torch.reset_nonfinite_status()
+    first, _, out = backward(consume_off=False, retain=True)
+    second, _, _ = backward(consume_off=False, out=out)
+    smoe_torch.raise_if_nonfinite()
+    for i, (a, b, c) in enumerate(zip(kept, first, second)):
+        assert torch.equal(a, b) and torch.equal(a, c), f"{op}: gradient {i} after retain_graph"
 
 
 def test_nonfinite_logits_raise_and_reset():

@@ -9,8 +9,9 @@
 //                    w1, w3 | None, w2 [E,d,n] bf16, gate_up) -> (out [R,d] bf16, saved uint8)
 //       gate_up (smoe::GateUpLayout): 0 interleaved (w1 [E,2n,d], rows 2j gate / 2j+1 up),
 //       1 separate (w1 gate, w3 up, [E,n,d] each), 2 concatenated (w1 [E,2n,d], gate rows first)
-//   expert_major_bwd(dout, x, probs | None, w1, w3 | None, w2, saved, gate_up, segmented)
+//   expert_major_bwd(dout, x, probs | None, w1, w3 | None, w2, saved, gate_up, segmented, consume_saved=False)
 //       -> (dx [R,d], dw1 like w1, dw3 like w3 | None, dw2 [E,d,n], dprobs [R] f32 | None)
+//       consume_saved (eager only, as the token-major ops' in ops.cpp): dH written over the saved H
 //   expert_major_status(like) -> uint8[16]: a copy of this layer's sticky DeviceStatus of like's device
 //   expert_major_reset_status(like) -> (): clears it (enqueued on the current stream)
 //
@@ -162,7 +163,7 @@ std::tuple<at::Tensor, at::Tensor> expert_major_fwd(const at::Tensor& x, const a
 std::tuple<at::Tensor, at::Tensor, c10::optional<at::Tensor>, at::Tensor, c10::optional<at::Tensor>>
 expert_major_bwd(const at::Tensor& dout, const at::Tensor& x, const c10::optional<at::Tensor>& probs,
                  const at::Tensor& w1, const c10::optional<at::Tensor>& w3, const at::Tensor& w2,
-                 const at::Tensor& saved, int64_t gate_up, bool segmented) {
+                 const at::Tensor& saved, int64_t gate_up, bool segmented, bool consume_saved) {
   const at::Tensor pr = probs.value_or(at::Tensor());
   const at::Tensor w3t = w3.value_or(at::Tensor());
   const smoe::ExpertMajorShape s = layer_shape(x, pr, w1, w3t, w2, gate_up, segmented);
@@ -181,8 +182,9 @@ expert_major_bwd(const at::Tensor& dout, const at::Tensor& x, const c10::optiona
   at::Tensor dx = at::empty_like(x), dw1 = at::empty_like(w1), dw2 = at::empty_like(w2);
   at::Tensor dw3 = separate ? at::empty_like(w3t) : at::Tensor();
   at::Tensor dprobs = s.probs ? at::empty({s.rows}, x.options().dtype(at::kFloat)) : at::Tensor();
-  at::Tensor ws = bytes(static_cast<int64_t>(smoe::expert_major_backward_workspace_size(s)), x);
+  at::Tensor ws = bytes(static_cast<int64_t>(smoe::expert_major_backward_workspace_size(s, consume_saved)), x);
   smoe::ExpertMajorBackwardArgs a;
+  a.consume_saved = consume_saved;
   a.shape = s;
   a.x = bf16_ptr(x);
   a.probs = pr.defined() ? pr.data_ptr<float>() : nullptr;
@@ -229,7 +231,8 @@ TORCH_LIBRARY_FRAGMENT(smoe, m) {
   m.def("expert_major_fwd(Tensor x, Tensor counts, Tensor? segment_offset, Tensor? probs, Tensor w1, Tensor? w3, "
         "Tensor w2, int gate_up) -> (Tensor out, Tensor saved)");
   m.def("expert_major_bwd(Tensor dout, Tensor x, Tensor? probs, Tensor w1, Tensor? w3, Tensor w2, Tensor saved, "
-        "int gate_up, bool segmented) -> (Tensor dx, Tensor dw1, Tensor? dw3, Tensor dw2, Tensor? dprobs)");
+        "int gate_up, bool segmented, bool consume_saved=False) "
+        "-> (Tensor dx, Tensor dw1, Tensor? dw3, Tensor dw2, Tensor? dprobs)");
   m.def("expert_major_status(Tensor like) -> Tensor");
   m.def("expert_major_reset_status(Tensor like) -> ()");
 }

@@ -146,7 +146,7 @@ std::tuple<at::Tensor, at::Tensor> moe_forward(const at::Tensor& x, const at::Te
 // ops keep their output count.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_impl(
     const smoe::MoEShape& s, const at::Tensor& dout, const at::Tensor& x, const at::Tensor& w_router,
-    const at::Tensor& w1, const at::Tensor& w2, const at::Tensor& saved, const at::Tensor& w3) {
+    const at::Tensor& w1, const at::Tensor& w2, const at::Tensor& saved, const at::Tensor& w3, bool consume_saved) {
   check_tensor(dout, "dout", at::kBFloat16, 2);
   TORCH_CHECK(dout.sizes() == x.sizes(), "smoe: dout must have the shape of x ", dims(x.sizes()), " (got ",
               dims(dout.sizes()), ")");
@@ -161,8 +161,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_
   at::Tensor dw1 = two ? at::empty({2, w1.size(0), w1.size(1), w1.size(2)}, w1.options()) : at::empty_like(w1);
   at::Tensor dwr = provided ? at::Tensor() : at::empty_like(w_router);
   at::Tensor dscores = provided ? at::empty({s.T, s.K}, x.options().dtype(at::kFloat)) : at::Tensor();
-  at::Tensor ws = bytes(static_cast<int64_t>(smoe::moe_backward_workspace_size(s)), x);
+  at::Tensor ws = bytes(static_cast<int64_t>(smoe::moe_backward_workspace_size(s, consume_saved)), x);
   smoe::MoEBackwardArgs a;
+  a.consume_saved = consume_saved;
   a.shape = s;
   a.x = bf16_ptr(x);
   a.weights = {bf16_ptr(w_router), bf16_ptr(w1), bf16_ptr(w2), bf16_ptr(w3)};
@@ -177,39 +178,43 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_
   a.dw2 = reinterpret_cast<smoe::bf16*>(dw2.data_ptr());
   a.workspace = ws.data_ptr();
   a.workspace_bytes = static_cast<size_t>(ws.numel());
+  // A saved state the forward did not write for these shapes, or one a consume_saved backward spent:
+  // NaN gradients and this flag, which smoe_torch.raise_if_nonfinite() reports.
+  a.status = device_status(x);
   throw_if(smoe::moe_backward(a, at::cuda::getCurrentCUDAStream()));
   return {dx, dwr, dw1, dw2, dscores};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_backward_routed(
     const at::Tensor& dout, const at::Tensor& x, const at::Tensor& w1, const at::Tensor& w2, const at::Tensor& saved,
-    int64_t top_k, const c10::optional<at::Tensor>& w3) {
+    int64_t top_k, const c10::optional<at::Tensor>& w3, bool consume_saved) {
   const at::Tensor w3t = w3.value_or(at::Tensor());
   smoe::MoEShape s = layer_shape(x, at::Tensor(), w1, w2, top_k, w3t);
   s.router = smoe::MoERouter::kProvided;
   throw_if(smoe::moe_can_implement(s));
-  auto r = backward_impl(s, dout, x, at::Tensor(), w1, w2, saved, w3t);
+  auto r = backward_impl(s, dout, x, at::Tensor(), w1, w2, saved, w3t, consume_saved);
   return {std::get<0>(r), std::get<2>(r), std::get<3>(r), std::get<4>(r)};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_backward_tr(
     const at::Tensor& dout, const at::Tensor& x, const at::Tensor& w_router, const at::Tensor& w1,
     const at::Tensor& w2, const at::Tensor& saved, int64_t top_k, int64_t rounding,
-    const c10::optional<at::Tensor>& w3) {
+    const c10::optional<at::Tensor>& w3, bool consume_saved) {
   TORCH_CHECK(rounding >= 0, "smoe: moe_backward_tr needs rounding in 0..3 (got ", num(rounding), ")");
   const at::Tensor w3t = w3.value_or(at::Tensor());
   const smoe::MoEShape s = with_rounding(layer_shape(x, w_router, w1, w2, top_k, w3t), rounding);
-  auto r = backward_impl(s, dout, x, w_router, w1, w2, saved, w3t);
+  auto r = backward_impl(s, dout, x, w_router, w1, w2, saved, w3t, consume_saved);
   return {std::get<0>(r), std::get<1>(r), std::get<2>(r), std::get<3>(r)};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_backward(
     const at::Tensor& dout, const at::Tensor& x, const at::Tensor& w_router, const at::Tensor& w1,
-    const at::Tensor& w2, const at::Tensor& saved, int64_t top_k, const c10::optional<at::Tensor>& w3) {
+    const at::Tensor& w2, const at::Tensor& saved, int64_t top_k, const c10::optional<at::Tensor>& w3,
+    bool consume_saved) {
   TORCH_CHECK(w_router.defined(), "smoe: w_router is required");
   const at::Tensor w3t = w3.value_or(at::Tensor());
   const smoe::MoEShape s = layer_shape(x, w_router, w1, w2, top_k, w3t);
-  auto r = backward_impl(s, dout, x, w_router, w1, w2, saved, w3t);
+  auto r = backward_impl(s, dout, x, w_router, w1, w2, saved, w3t, consume_saved);
   return {std::get<0>(r), std::get<1>(r), std::get<2>(r), std::get<3>(r)};
 }
 
@@ -292,17 +297,21 @@ TORCH_LIBRARY(smoe, m) {
   // w3 (optional, last): gate/up as two tensors, w1 (gate) and w3 (up) [E, n, d]; the backward's
   // weight gradient is then [2, E, n, d] (dw1, dw3). Without it w1 is [E, 2n, d] interleaved.
   m.def("moe_forward(Tensor x, Tensor w_router, Tensor w1, Tensor w2, int top_k, Tensor? w3=None) -> (Tensor, Tensor)");
+  // consume_saved (last; eager only): the backward writes dH over the saved H and spends the state
+  // (smoe::MoEBackwardArgs::consume_saved), H's bytes less workspace. The schema does not mark saved
+  // as written: the autograd functions (_ops.py) pass it only outside any trace, when autograd frees
+  // the saved state right after (no retain_graph / create_graph), so no traced graph ever holds it.
   m.def("moe_backward(Tensor dout, Tensor x, Tensor w_router, Tensor w1, Tensor w2, Tensor saved, "
-        "int top_k, Tensor? w3=None) -> (Tensor, Tensor, Tensor, Tensor)");
+        "int top_k, Tensor? w3=None, bool consume_saved=False) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("topk_routing(Tensor logits, int top_k) -> Tensor[]");
   m.def("moe_forward_routed(Tensor x, Tensor w1, Tensor w2, Tensor expert, Tensor scores, Tensor? w3=None) "
         "-> (Tensor, Tensor)");
-  m.def("moe_backward_routed(Tensor dout, Tensor x, Tensor w1, Tensor w2, Tensor saved, int top_k, Tensor? w3=None) "
-        "-> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("moe_backward_routed(Tensor dout, Tensor x, Tensor w1, Tensor w2, Tensor saved, int top_k, Tensor? w3=None, "
+        "bool consume_saved=False) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("moe_forward_tr(Tensor x, Tensor w_router, Tensor w1, Tensor w2, int top_k, int rounding, int seed, "
         "Tensor? w3=None) -> (Tensor, Tensor)");
   m.def("moe_backward_tr(Tensor dout, Tensor x, Tensor w_router, Tensor w1, Tensor w2, Tensor saved, int top_k, "
-        "int rounding, Tensor? w3=None) -> (Tensor, Tensor, Tensor, Tensor)");
+        "int rounding, Tensor? w3=None, bool consume_saved=False) -> (Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(smoe, CUDA, m) {
