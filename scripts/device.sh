@@ -34,7 +34,7 @@
 #             SONIC_PROFILE_CONFIGS (default the large six) -> $OUT/sonic/profile/{<config>.<system>.md,profile.json};
 #             SONIC_PROFILE_RESUME=<an earlier call's profile.json, copied into the tree>: profile only what it lacks.
 #             Every stage seeds quack's autotune cache with bench/baselines/sonic_autotune/<card>/ and
-#             brings the cache's results back in $OUT/sonic/autotune/<card>/ (SONIC_AUTOTUNE_SEED=0: cold)
+#             brings the cache's results back in $OUT/sonic/autotune/<card>/ (SONIC_AUTOTUNE_SEED=0: none copied in)
 #   tune      the engine tuner's evidence: for each configs file of TUNE_CONFIGS (default
 #             bench/configs/configs.json and bench/configs/wide_configs.json; the 41 shapes for
 #             re-deriving the heuristic add sweep_configs.json and tune_extra_configs.json) build/smoe_tune into a
@@ -423,19 +423,22 @@ SONIC_LARGE_SIX='Qwen3-Next-80B,30B n512 E128 K8,30B n256 E256 K16,Qwen3-235B,12
 # that is the warm stage's minutes. The results measured on a card kind are committed under
 # bench/baselines/sonic_autotune/<card>/ (h100, h200; SONIC_AUTOTUNE_DIR replaces the folder) and
 # copied into a fresh cache before the stage, never over a result already there: SonicMoE then runs
-# its own autotuner's picks for that card and compiles only those. SONIC_AUTOTUNE_SEED=0 starts
-# cold. After the stage every result in the cache goes to $OUT/sonic/autotune/<card>/ (in
+# its own autotuner's picks for that card and compiles only those (Triton's autotune of SonicMoE's
+# gather-sums is kept the same way, under triton/). SONIC_AUTOTUNE_SEED=0 copies nothing in (a
+# fresh machine then tunes cold; a warm one keeps its cache). After the stage every result in the cache goes to $OUT/sonic/autotune/<card>/ (in
 # 00-all.tgz); new ones go into the tree with `cp -rn <that folder>/. bench/baselines/sonic_autotune/<card>/`.
 SONIC_CACHE="${SONIC_CACHE_DIR:-/tmp/smoe_quack_cache}"
 sonic_card() {  # h100, h200 or other (SONIC_CARD overrides: the dry-run tests)
   local name="${SONIC_CARD:-}"
   [ -n "$name" ] && { echo "$name"; return; }
   dry || name="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)"
-  case "$name" in *H200*) echo h200 ;; *H100*) echo h100 ;; *) echo other ;; esac
+  # The SXM cards the device tool lends; other variants (PCIe, NVL, GH200) time differently: "other".
+  case "$name" in "NVIDIA H200") echo h200 ;; "NVIDIA H100 80GB HBM3") echo h100 ;; *) echo other ;; esac
 }
 sonic_autotune_seed() {
   local src="${SONIC_AUTOTUNE_DIR:-bench/baselines/sonic_autotune}/$1"
-  [ "${SONIC_AUTOTUNE_SEED:-1}" = 0 ] && { say "SonicMoE autotune: cold (SONIC_AUTOTUNE_SEED=0)"; return 0; }
+  [ "${SONIC_AUTOTUNE_SEED:-1}" = 0 ] &&
+    { say "SonicMoE autotune: nothing copied in (SONIC_AUTOTUNE_SEED=0; the machine's cache, if any, stays)"; return 0; }
   [ -d "$src" ] || { say "SonicMoE autotune: no committed results for $1 ($src): cold"; return 0; }
   x mkdir -p "$SONIC_CACHE"
   x cp -rn "$src/." "$SONIC_CACHE/"
@@ -445,9 +448,10 @@ sonic_autotune_harvest() {
   dry && { say "+ (every *.autotune.json of $SONIC_CACHE, with its key folder, into ${dst#"$ROOT"/})"; return 0; }
   local files=()
   [ -d "$SONIC_CACHE" ] && mapfile -t files < <(cd "$SONIC_CACHE" && find . -name '*.autotune.json' | sort)
-  if [ "${#files[@]}" -gt 0 ]; then
-    mkdir -p "$dst" && (cd "$SONIC_CACHE" && cp --parents "${files[@]}" "$dst/")
-  fi
+  [ "${#files[@]}" -gt 0 ] || { say "SonicMoE autotune: no result in $SONIC_CACHE"; return 0; }
+  mkdir -p "$dst" && dst="$(cd "$dst" && pwd)" &&  # absolute: the copy runs inside the cache
+    (cd "$SONIC_CACHE" && cp --parents "${files[@]}" "$dst/") ||
+    { say "SonicMoE autotune: copying ${#files[@]} result(s) from $SONIC_CACHE failed"; return 1; }
   say "SonicMoE autotune: ${#files[@]} result(s) in $SONIC_CACHE, copied to ${dst#"$ROOT"/}"
 }
 
@@ -458,12 +462,15 @@ step_sonic() {
   mkdir -p "$d"
   card="$(sonic_card)"
   sonic_autotune_seed "$card"
-  export QUACK_CACHE_DIR="$SONIC_CACHE"
   say "+ eval \"\$(bash bench/baselines/sonicmoe_env.sh install)\""
   if ! dry; then
     envline="$(bash bench/baselines/sonicmoe_env.sh install)" || return 1
     eval "$envline"   # PYTHONPATH for this step only (restored below)
   fi
+  # For this step only (restored below): quack's autotune results and compiled kernels, and Triton's
+  # (SonicMoE's gather-sums autotune through triton.autotune; TRITON_CACHE_AUTOTUNING keeps its results).
+  local had_tc="${TRITON_CACHE_DIR+set}" old_tc="${TRITON_CACHE_DIR:-}"
+  export QUACK_CACHE_DIR="$SONIC_CACHE" TRITON_CACHE_DIR="$SONIC_CACHE/triton" TRITON_CACHE_AUTOTUNING=1
   if x python3 -c "import sonicmoe"; then
     case "${SONIC_STAGE:-warm}" in
       warm)
@@ -486,8 +493,9 @@ step_sonic() {
   else
     say "sonicmoe does not import"; rc=1
   fi
-  sonic_autotune_harvest "$card"
-  unset QUACK_CACHE_DIR
+  sonic_autotune_harvest "$card" || rc=1
+  unset QUACK_CACHE_DIR TRITON_CACHE_AUTOTUNING
+  if [ "$had_tc" = set ]; then export TRITON_CACHE_DIR="$old_tc"; else unset TRITON_CACHE_DIR; fi
   if [ "$had_pp" = set ]; then export PYTHONPATH="$old_pp"; else unset PYTHONPATH; fi
   return $rc
 }

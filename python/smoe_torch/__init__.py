@@ -27,8 +27,8 @@ the matching backward op). `saved` is an opaque uint8 tensor (H [TK,2n] bf16 + r
 4TKn + O(TK) bytes): that plus references to x and the weights is all autograd keeps for backward.
 The three backward ops take consume_saved=False last: True writes dH over the saved H (4TKn bytes
 less at the backward's peak) and spends the state (a later backward on it gives NaN gradients and a
-raise_if_nonfinite() error). Autograd passes True only in an eager backward without retain_graph /
-create_graph (_ops._consume_saved); SMOE_CONSUME_SAVED=0 turns that off.
+raise_if_nonfinite() error). Autograd passes True only in an eager backward that does not keep the graph (retain_graph, which
+create_graph turns on unless told otherwise; _ops._consume_saved); SMOE_CONSUME_SAVED=0 at import turns that off.
 
 This module only re-exports. Where things live: _ops.py loads the extension (_C) and registers the
 ops' fakes and autograd (and the EP ops', via load_ep); _layout.py computes the saved-state sizes the

@@ -100,11 +100,11 @@ def _consume_saved(saved, dout=None):
 
     Only where nothing can read the saved state again: an eager backward (a plain tensor, no dispatch
     mode, not compiling: a traced graph must never carry the flag into a later replay) run by the
-    autograd engine without keep_graph (retain_graph / create_graph false), which frees the saved
+    autograd engine without keep_graph (retain_graph false; create_graph sets it unless told otherwise), which frees the saved
     tensors as the node returns. Not under a functorch transform either: batched gradients
     (autograd.grad(is_grads_batched=True), jacobian(vectorize=True)) run the op once per batch slice
     on the one saved state. Not while a CUDA graph is captured (its backward may be replayed more
-    often than its forward). SMOE_CONSUME_SAVED=0 turns it off. Were the state read again anyway,
+    often than its forward). SMOE_CONSUME_SAVED=0 (read at import) turns it off. Were the state read again anyway,
     the library finds its stamp cleared: NaN gradients and the bad-saved-state status, never the
     gradients of an overwritten H."""
     if torch.compiler.is_compiling() or _CONSUME_OFF or type(saved) is not torch.Tensor:

@@ -122,7 +122,12 @@ Status prepare_varlen_m(const VarlenMArgs& a, int sm_count, cudaStream_t stream,
 }
 
 Status PreparedVarlenM::launch(const VarlenMArgs& a, int sm_count, cudaStream_t stream) const {
-  return run == nullptr ? Status{} : run(a, sm_count, stream);
+  if (run != nullptr) return run(a, sm_count, stream);
+  // Nothing prepared: right only for a call with no row. Otherwise (a refused or skipped prepare) the
+  // outputs would stay as they are, so this is an error, never a silent no-op.
+  if (a.rows == 0) return Status{};
+  return detail::make_status(StatusCode::kInvalidArgument,
+                             "engine::PreparedVarlenM::launch: nothing prepared (prepare_varlen_m failed or was not called)");
 }
 
 Status varlen_m(const VarlenMArgs& a, int sm_count, cudaStream_t stream) {

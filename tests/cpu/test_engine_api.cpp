@@ -150,6 +150,8 @@ TEST(EngineApi, PrepareRefusesBeforeAnyLaunch) {
   p.run = &eng::varlen_m;  // stale: a refusal must clear it
   expect_rejected(eng::prepare_varlen_m(a, 132, nullptr, &p), "N = 100");
   EXPECT_EQ(p.run, nullptr);
+  // Launching what was refused is an error, not a silent no-op that would leave the outputs unwritten.
+  expect_rejected(p.launch(good_m(), 132, nullptr), "nothing prepared");
   a = good_m();
   a.rows = 0;
   a.A = nullptr;
