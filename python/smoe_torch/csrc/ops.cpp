@@ -300,7 +300,7 @@ TORCH_LIBRARY(smoe, m) {
   // consume_saved (last; eager only): the backward writes dH over the saved H and spends the state
   // (smoe::MoEBackwardArgs::consume_saved), H's bytes less workspace. The schema does not mark saved
   // as written: the autograd functions (_ops.py) pass it only outside any trace, when autograd frees
-  // the saved state right after (no retain_graph / create_graph), so no traced graph ever holds it.
+  // the saved state right after (the graph not kept: no retain_graph), so no traced graph ever holds it.
   m.def("moe_backward(Tensor dout, Tensor x, Tensor w_router, Tensor w1, Tensor w2, Tensor saved, "
         "int top_k, Tensor? w3=None, bool consume_saved=False) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("topk_routing(Tensor logits, int top_k) -> Tensor[]");
