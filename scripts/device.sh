@@ -176,6 +176,20 @@ x() {
   esac
 }
 
+# ended_text RC LIMIT ELAPSED: how a command under `timeout --kill-after=10` ended. 124 is its limit;
+# 137 is SIGKILL, which is the limit's follow-up kill only when the limit has passed: a SIGKILL before
+# it came from elsewhere (the host's OOM killer, say; the 2026-12-07 pytest step died so after 82 of
+# 400 s), and calling that a time-out sends the next session after the wrong cause.
+ended_text() {
+  local rc=$1 secs=$2 took=$3
+  if [ "$rc" -eq 124 ] || [ "$took" -ge "$secs" ]; then
+    echo "(timed out after $secs s)"
+  else
+    echo "(killed by SIGKILL after $took of $secs s: not the time limit; the host's OOM killer?" \
+      "dmesg: $(dmesg 2>/dev/null | grep -iE 'killed process|out of memory' | tail -n 1 || true))"
+  fi
+}
+
 # xt [-o FILE | -a FILE] SECONDS CMD...: x under `timeout`, which runs the command in a process
 # group of its own and ends the whole group (torchrun's workers too) at the limit. The group is
 # recorded in $PGFILE while it runs: a call that the device tool cuts off leaves it there, and the
@@ -193,12 +207,12 @@ xt() {
     -a) timeout --kill-after=10 "$secs" "$@" >"$f" 2>&1 & ;;
     *) timeout --kill-after=10 "$secs" "$@" & ;;
   esac
-  local pid=$! rc
+  local pid=$! rc t0=$SECONDS
   echo "$pid" >>"$PGFILE"
   wait "$pid"; rc=$?
   sed -i "/^$pid\$/d" "$PGFILE" 2>/dev/null
   if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
-    say "(timed out after $secs s)"
+    say "$(ended_text "$rc" "$secs" $((SECONDS - t0)))"
     kill -9 -- "-$pid" 2>/dev/null
   fi
   return "$rc"
@@ -318,7 +332,7 @@ step_test() {
   return $rc
 }
 summary_test() {
-  grep -E "^\[  (PASSED|FAILED|SKIPPED) |^\[==========\] .* ran|Failure$|Expected|Which is|timed out" "$1" | head -40
+  grep -E "^\[  (PASSED|FAILED|SKIPPED) |^\[==========\] .* ran|Failure$|Expected|Which is|timed out|killed by SIGKILL" "$1" | head -40
 }
 
 # The filters of the old device_check.sh: small shapes, so the sanitizers finish in minutes.
@@ -342,7 +356,7 @@ step_sanitize() {
   done
   return $rc
 }
-summary_sanitize() { grep -E "^---- |ERROR SUMMARY|RACECHECK SUMMARY|SYNCCHECK SUMMARY|^\[  (PASSED|FAILED) |timed out" "$1" | head -30; }
+summary_sanitize() { grep -E "^---- |ERROR SUMMARY|RACECHECK SUMMARY|SYNCCHECK SUMMARY|^\[  (PASSED|FAILED) |timed out|killed by SIGKILL" "$1" | head -30; }
 
 step_bench() {
   need_bin bench_layer bench || return 1
@@ -374,7 +388,7 @@ step_bench() {
 summary_bench() {
   local f
   for f in "$OUT/bench/layer.md" "$OUT"/bench/{sweep,wide,tune_extra}.md; do [ -f "$f" ] && { say "-- ${f#"$OUT"/}"; head -20 "$f"; }; done
-  grep -E "timed out|Error|error" "$1" | head -10
+  grep -E "timed out|killed by SIGKILL|Error|error" "$1" | head -10
 }
 
 step_tune() {
@@ -414,7 +428,7 @@ step_tune() {
   fi
   return $rc
 }
-summary_tune() { grep -E "^\| |timed out|rc=" "$OUT/tune/tuner.md" "$1" 2>/dev/null | grep -vE "^\S+:\|---" | head -40; }
+summary_tune() { grep -E "^\| |timed out|killed by SIGKILL|rc=" "$OUT/tune/tuner.md" "$1" 2>/dev/null | grep -vE "^\S+:\|---" | head -40; }
 
 SONIC_LARGE_SIX='Qwen3-Next-80B,30B n512 E128 K8,30B n256 E256 K16,Qwen3-235B,120B n1024 E128 K8,OLMoE-7B'
 # SonicMoE's autotune results, per card: quack times every candidate of each GEMM on its first call
@@ -499,7 +513,7 @@ step_sonic() {
   if [ "$had_pp" = set ]; then export PYTHONPATH="$old_pp"; else unset PYTHONPATH; fi
   return $rc
 }
-summary_sonic() { tail -n 15 "$OUT"/sonic/*.log 2>/dev/null; grep -E "does not import|timed out|pip rc" "$1"; }
+summary_sonic() { tail -n 15 "$OUT"/sonic/*.log 2>/dev/null; grep -E "does not import|timed out|killed by SIGKILL|pip rc" "$1"; }
 
 step_ncu() {
   need_bin bench_layer ncu || return 1
@@ -631,7 +645,7 @@ step_pytest() {
   if [ -d .deps/wheels ]; then x -a "$OUT/pytest_wheels.log" scripts/fetch_wheels.sh install || true; fi
   (cd /tmp && xt "${PYTEST_TIMEOUT:-480}" python3 -m pytest -q "$ROOT/tests/python" -p no:cacheprovider)
 }
-summary_pytest() { grep -E "passed|failed|skipped|^FAILED|^ERROR|Error|timed out|pip rc" "$1" | tail -15; }
+summary_pytest() { grep -E "passed|failed|skipped|^FAILED|^ERROR|Error|timed out|killed by SIGKILL|pip rc" "$1" | tail -15; }
 
 step_digest() {
   if ! dry && [ ! -x "$BUILD/layer_digest" ]; then
@@ -798,7 +812,7 @@ ab_entry_runs() {
   case "$1" in *=*) [[ ",${1%%=*}," == *",$2,"* ]] ;; *) return 0 ;; esac
 }
 summary_ab() {
-  grep -E "^digest: |^\[  (PASSED|FAILED) |does not apply|timed out|bad name" "$1" | head -12
+  grep -E "^digest: |^\[  (PASSED|FAILED) |does not apply|timed out|killed by SIGKILL|bad name" "$1" | head -12
   local f
   for f in "$OUT"/ab/ab_*.md; do [ -f "$f" ] && say "${f#"$OUT"/}: $(grep -m1 '^Geomean' "$f")"; done
 }

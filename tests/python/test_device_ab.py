@@ -319,3 +319,19 @@ def test_sonic_stage_seeds_the_cards_committed_autotune_results_and_harvests_the
     lines, _ = stage(SONIC_CARD="h100", SONIC_AUTOTUNE_SEED="0")
     assert not any(x.startswith("+ cp -rn ") for x in lines)
     assert any("nothing copied in (SONIC_AUTOTUNE_SEED=0" in x for x in lines)
+
+
+def test_a_sigkill_before_the_limit_is_not_called_a_time_out(tmp_path):
+    # rc 137 from `timeout` is also what a command killed from outside returns (the host's OOM killer):
+    # the step says so, with the seconds it ran, instead of "timed out".
+    build = tmp_path / "build"
+    build.mkdir()
+    write_exe(build / "bench_layer", "#!/usr/bin/env bash\nkill -9 $$\n")
+    write_exe(build / "layer_digest", '#!/usr/bin/env bash\necho "x 1"\n')
+    e = dict(os.environ, BUILD=str(build), OUT=str(tmp_path / "out"), AB_CONFIGS="smoke_configs",
+             AB_ROUNDS="1", SMOE_COMMIT="test", AB_VARIANTS="same:")
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "device.sh"), "ab"], cwd=ROOT, env=e,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert "killed by SIGKILL after" in r.stdout, r.stdout + r.stderr
+    assert "timed out" not in r.stdout
