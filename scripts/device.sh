@@ -12,7 +12,8 @@
 #             step needs the PyTorch extension, its build (pip install .) starts next to this one.
 #             BUILD_TARGETS='t1 t2': only those CMake targets (e.g. gather_sum_bench: seconds, not
 #             the ~70-110 s of everything)
-#   test      the GPU tests (test_gpu, TEST_FILTER selects; TEST_TIMEOUT, 400 s) and the main job
+#   test      the GPU tests (test_gpu, TEST_FILTER selects; TEST_TIMEOUT, 400 s), the host tests (test_api:
+#             some take a GPU branch on the device) and the main job
 #             (smoe_main: the GPU routing check and one layer benchmark)
 #   sanitize  compute-sanitizer on small GPU tests: memcheck, racecheck, synccheck
 #             (SANITIZE_TOOLS picks, SANITIZE_TIMEOUT per tool, 300 s)
@@ -328,6 +329,9 @@ step_test() {
   need_bin test_gpu test || return 1
   local rc=0
   xt "${TEST_TIMEOUT:-400}" "$BUILD/test_gpu" ${TEST_FILTER:+"--gtest_filter=$TEST_FILTER"} || rc=1
+  # The host tests too (a second): some take a GPU branch where one is present (EngineApi's prepare
+  # and consume-order tests), which CI's CPU machine never runs.
+  if dry || [ -x "$BUILD/test_api" ]; then xt 120 "$BUILD/test_api" || rc=1; fi
   if dry || [ -x "$BUILD/smoe_main" ]; then xt 180 "$BUILD/smoe_main" || rc=1; fi
   return $rc
 }

@@ -335,3 +335,12 @@ def test_a_sigkill_before_the_limit_is_not_called_a_time_out(tmp_path):
     assert r.returncode != 0
     assert "killed by SIGKILL after" in r.stdout, r.stdout + r.stderr
     assert "timed out" not in r.stdout
+
+
+def test_the_test_step_runs_the_host_tests_on_the_gpu_too(tmp_path):
+    # test_api's GPU branches (EngineApi.PrepareDoesTheLaunchSetup, ...) run only on a device.
+    r = dry_run(tmp_path, "test")
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("+ ")]
+    at = [next(i for i, ln in enumerate(lines) if w in ln) for w in ("test_gpu", "test_api", "smoe_main")]
+    assert at == sorted(at), lines
