@@ -342,8 +342,9 @@ struct MoEBackwardArgs {
   // true: the call may write the saved buffer (dH [R][2n] over H, which only dA' reads) and clears
   // its stamp right before dA' launches: the saved state is spent, and a later backward on it finds
   // no stamp (NaN gradients and kStatusBadSavedState), never gradients of a clobbered H. A call
-  // refused before that (a rule, no instantiation for dA') leaves the state as it was; one whose dA'
-  // launch fails (a CUDA error) may leave it spent with H whole. The
+  // refused before that (a rule, no instantiation for dA', its launch setup: shared-memory attribute,
+  // no cluster fits) leaves the state as it was; one whose dA' launch itself fails (a CUDA error)
+  // may leave it spent with H whole. The
   // gradients are bitwise those of consume_saved = false; the workspace is
   // moe_backward_workspace_size(shape, true), H's bytes less: what a caller that runs backward once
   // per forward (PyTorch without retain_graph) saves at the backward's peak. With SMOE_ENGINE_TUNE=1

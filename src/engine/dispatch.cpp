@@ -5,7 +5,7 @@
 namespace smoe {
 namespace engine {
 
-#define SMOE_ENGINE_INSTANCE(fn, kind, sched, bn, cluster, args) Status fn(const args&, int, cudaStream_t);
+#define SMOE_ENGINE_INSTANCE(fn, kind, sched, bn, cluster, args) Status fn(const args&, int, cudaStream_t, LaunchStep);
 namespace inst {
 #include "instances.inc"
 }  // namespace inst
@@ -16,12 +16,12 @@ namespace {
 template <class Args>
 struct Entry {
   EngineConfig config;
-  Status (*run)(const Args&, int, cudaStream_t);
+  Status (*run)(const Args&, int, cudaStream_t, LaunchStep);
 };
 // Each instantiation goes to the table of its argument struct (the other table gets an entry
 // without a function, which find() skips).
 template <class Args, class FnArgs>
-constexpr Entry<Args> entry(EngineConfig c, Status (*run)(const FnArgs&, int, cudaStream_t)) {
+constexpr Entry<Args> entry(EngineConfig c, Status (*run)(const FnArgs&, int, cudaStream_t, LaunchStep)) {
   if constexpr (std::is_same_v<Args, FnArgs>)
     return {c, run};
   else

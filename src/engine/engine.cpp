@@ -117,12 +117,15 @@ Status prepare_varlen_m(const VarlenMArgs& a, int sm_count, cudaStream_t stream,
                  c ? n_band_text(a.N, a.K, c->bn).c_str() : "-");
   const RunVarlenM run = c ? find_varlen_m(*c) : nullptr;
   if (run == nullptr) return no_instance(c, "engine::varlen_m");
+  // The launch's host setup now, not at launch: a failure here (attribute, no cluster fits) is a
+  // refusal that leaves the caller's state as it was.
+  SMOE_RETURN_IF_ERROR(run(a, sm_count, stream, LaunchStep::kSetup));
   out->run = run;
   return Status{};
 }
 
 Status PreparedVarlenM::launch(const VarlenMArgs& a, int sm_count, cudaStream_t stream) const {
-  if (run != nullptr) return run(a, sm_count, stream);
+  if (run != nullptr) return run(a, sm_count, stream, LaunchStep::kLaunch);
   // Nothing prepared: right only for a call with no row. Otherwise (a refused or skipped prepare) the
   // outputs would stay as they are, so this is an error, never a silent no-op.
   if (a.rows == 0) return Status{};
@@ -147,7 +150,7 @@ Status varlen_k(const VarlenKArgs& a, int sm_count, cudaStream_t stream) {
                  a.num_experts, a.gather_p != nullptr, a.gather_q != nullptr, sm_count, device_facts(sm_count).hbm_gbps);
   const RunVarlenK run = c ? find_varlen_k(*c) : nullptr;
   if (run == nullptr) return no_instance(c, "engine::varlen_k");
-  return run(as_gather_p(a), sm_count, stream);
+  return run(as_gather_p(a), sm_count, stream, LaunchStep::kLaunch);
 }
 
 }  // namespace engine

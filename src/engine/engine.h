@@ -57,8 +57,11 @@ Status varlen_k(const VarlenKArgs& a, int sm_count, cudaStream_t stream);
 // varlen_m in two steps, for a caller that must know the call will launch before it changes any
 // state: the layer's consuming backward (MoEBackwardArgs::consume_saved) spends the saved state only
 // once its dA' GEMM is prepared, so a call refused here leaves that state as it was.
-// prepare_varlen_m checks the rules and makes (and prints) the choice, launching nothing but what
-// SMOE_ENGINE_TUNE=1 measures; launch then runs it on the same arguments. varlen_m is the two in turn.
+// prepare_varlen_m checks the rules, makes (and prints) the choice and does the launch's host setup
+// (the kernel's shared-memory attribute, the cluster slots: dispatch.h's LaunchStep::kSetup), launching
+// nothing but what SMOE_ENGINE_TUNE=1 measures; launch then runs it on the same arguments, and only a
+// failure of the launch itself (cudaLaunchKernelEx, an earlier asynchronous error) can come after.
+// varlen_m is the two in turn.
 struct PreparedVarlenM {
   RunVarlenM run = nullptr;  // null after a refusal, and for zero rows (nothing to launch)
   Status launch(const VarlenMArgs& a, int sm_count, cudaStream_t stream) const;

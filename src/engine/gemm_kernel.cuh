@@ -489,21 +489,36 @@ Status max_active_clusters(int cluster, int sm_count, int* out, const char* name
   return Status{};
 }
 
+// The host work of a launch before the launch itself (dispatch.h, LaunchStep::kSetup): the shared-memory
+// attribute, and for clusters the co-resident cluster slots within the caller's SM budget (into
+// *cluster_slots when given). launch runs it again: it is idempotent, a microsecond, and cached per
+// device for the cluster query, so a prepared call and a plain one launch the same grid.
+template <class Traits>
+Status launch_setup(int sm_count, const char* name, int* cluster_slots) {
+  constexpr int C = Traits::kCluster;
+  SMOE_RETURN_IF_ERROR(set_smem_attribute<Traits>(name));
+  if constexpr (C > 1) {
+    int slots = 0;
+    SMOE_RETURN_IF_ERROR(max_active_clusters<Traits>(C, sm_count, &slots, name));
+    if (slots > sm_count / C) slots = sm_count / C;  // the caller's SM budget
+    if (slots < 1) slots = 1;
+    if (cluster_slots != nullptr) *cluster_slots = slots;
+  }
+  return Status{};
+}
+
 // units: work units (tiles, or cluster-wide units of C tiles); the grid is persistent: at most one
 // CTA (cluster) per SM (per co-resident cluster slot).
 template <class Traits>
 Status launch(const typename Traits::Params& p, int64_t units, int sm_count, cudaStream_t stream, const char* name) {
   constexpr int C = Traits::kCluster;
-  SMOE_RETURN_IF_ERROR(set_smem_attribute<Traits>(name));
+  int slots = 1;
+  SMOE_RETURN_IF_ERROR(launch_setup<Traits>(sm_count, name, &slots));
   if (units <= 0) return Status{};
   if constexpr (C == 1) {
     const int grid = static_cast<int>(units < sm_count ? units : sm_count);
     engine_kernel<Traits><<<grid, kThreads, smem_bytes<Traits>(), stream>>>(p);
   } else {
-    int slots = 0;
-    SMOE_RETURN_IF_ERROR(max_active_clusters<Traits>(C, sm_count, &slots, name));
-    if (slots > sm_count / C) slots = sm_count / C;  // the caller's SM budget
-    if (slots < 1) slots = 1;
     const int clusters = static_cast<int>(units < slots ? units : slots);
     cudaLaunchAttribute attr;
     const cudaLaunchConfig_t cfg = launch_config(clusters * C, smem_bytes<Traits>(), stream, &attr, C);

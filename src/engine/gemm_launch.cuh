@@ -36,8 +36,9 @@ using VarlenMConfig =
                kSched == Sched::kPingPong64 ? 64 : 128>;
 
 template <class Cfg, ALoad kALoad, class Epi>
-Status run_varlen_m(const VarlenMArgs& a, int sm_count, cudaStream_t stream, const char* name) {
+Status run_varlen_m(const VarlenMArgs& a, int sm_count, cudaStream_t stream, LaunchStep step, const char* name) {
   using K = VarlenMKernel<Cfg, kALoad, Epi>;  // varlen_m (engine.cpp) returned already if rows == 0
+  if (step == LaunchStep::kSetup) return launch_setup<K>(sm_count, name, nullptr);
   const int n_tiles = (a.N + Cfg::BN - 1) / Cfg::BN;
   const auto p = K::make_params(a.num_experts, a.N, a.K, a.A, static_cast<int>(a.a_rows), a.gather_idx,
                                 a.B, a.B2, a.b_expert_stride, a.expert_offset, epi_params(static_cast<Epi*>(nullptr), a));
@@ -49,8 +50,9 @@ Status run_varlen_m(const VarlenMArgs& a, int sm_count, cudaStream_t stream, con
 // a: P gathered (kGatherP), Q contiguous (as_gather_p, heuristic.cpp, swaps a gather_q call into this form); or
 // neither gathered (both by TMA).
 template <class Cfg, class Epi, bool kGatherP = true>
-Status run_varlen_k(const VarlenKArgs& a, int sm_count, cudaStream_t stream, const char* name) {
+Status run_varlen_k(const VarlenKArgs& a, int sm_count, cudaStream_t stream, LaunchStep step, const char* name) {
   using K = VarlenKKernel<Cfg, Epi, kGatherP>;
+  if (step == LaunchStep::kSetup) return launch_setup<K>(sm_count, name, nullptr);
   typename K::Params p;
   p.E = a.num_experts;
   p.M = a.M;
@@ -76,30 +78,30 @@ template <Kind, int BN, Sched, int C>
 struct Instance;
 template <int BN, Sched S, int C>
 struct Instance<Kind::up_swiglu, BN, S, C> {  // gathered x, W1 K-major, SwiGLU epilogue
-  static Status run(const VarlenMArgs& a, int sms, cudaStream_t s, const char* name) {
+  static Status run(const VarlenMArgs& a, int sms, cudaStream_t s, LaunchStep step, const char* name) {
     using Cfg = VarlenMConfig<BN, GMMA::Major::K, S, C>;
-    if (a.halves) return run_varlen_m<Cfg, ALoad::kGather, EpiSwiGLUT<true>>(a, sms, s, name);  // two tensors
-    return run_varlen_m<Cfg, ALoad::kGather, EpiSwiGLU>(a, sms, s, name);
+    if (a.halves) return run_varlen_m<Cfg, ALoad::kGather, EpiSwiGLUT<true>>(a, sms, s, step, name);  // two tensors
+    return run_varlen_m<Cfg, ALoad::kGather, EpiSwiGLU>(a, sms, s, step, name);
   }
 };
 template <int BN, Sched S, int C>
 struct Instance<Kind::down_store, BN, S, C> {  // A by TMA, W2 K-major
-  static Status run(const VarlenMArgs& a, int sms, cudaStream_t s, const char* name) {
-    return run_varlen_m<VarlenMConfig<BN, GMMA::Major::K, S, C>, ALoad::kTma, StoreEpi<S>>(a, sms, s, name);
+  static Status run(const VarlenMArgs& a, int sms, cudaStream_t s, LaunchStep step, const char* name) {
+    return run_varlen_m<VarlenMConfig<BN, GMMA::Major::K, S, C>, ALoad::kTma, StoreEpi<S>>(a, sms, s, step, name);
   }
 };
 template <int BN, Sched S, int C>
 struct Instance<Kind::dx_store, BN, S, C> {  // dH by TMA, W1 MN-major
-  static Status run(const VarlenMArgs& a, int sms, cudaStream_t s, const char* name) {
-    return run_varlen_m<VarlenMConfig<BN, GMMA::Major::MN, S, C>, ALoad::kTma, StoreEpi<S>>(a, sms, s, name);
+  static Status run(const VarlenMArgs& a, int sms, cudaStream_t s, LaunchStep step, const char* name) {
+    return run_varlen_m<VarlenMConfig<BN, GMMA::Major::MN, S, C>, ALoad::kTma, StoreEpi<S>>(a, sms, s, step, name);
   }
 };
 template <int BN, Sched S, int C>
 struct Instance<Kind::da_dswiglu, BN, S, C> {  // gathered dO, W2 MN-major, dSwiGLU + dS epilogue
-  static Status run(const VarlenMArgs& a, int sms, cudaStream_t s, const char* name) {
+  static Status run(const VarlenMArgs& a, int sms, cudaStream_t s, LaunchStep step, const char* name) {
     using Cfg = VarlenMConfig<BN, GMMA::Major::MN, S, C>;
-    if (a.halves) return run_varlen_m<Cfg, ALoad::kGather, EpiDSwiGLUT<true>>(a, sms, s, name);
-    return run_varlen_m<Cfg, ALoad::kGather, EpiDSwiGLU>(a, sms, s, name);
+    if (a.halves) return run_varlen_m<Cfg, ALoad::kGather, EpiDSwiGLUT<true>>(a, sms, s, step, name);
+    return run_varlen_m<Cfg, ALoad::kGather, EpiDSwiGLU>(a, sms, s, step, name);
   }
 };
 // The varlen-K epilogue stages 64 x 64 pieces in shared memory for TMA stores (EpiStoreTma): its
@@ -110,22 +112,22 @@ using VarlenKConfig =
 template <int BN, Sched S, int C>
 struct Instance<Kind::dw_gather_p, BN, S, C> {  // P gathered, Q by TMA, D [E][M][N]
   static_assert(S == Sched::kCoop && (C == 1 || C == 2), "varlen-K: cooperative, cluster 1 or 2 along M");
-  static Status run(const VarlenKArgs& a, int sms, cudaStream_t s, const char* name) {
-    return run_varlen_k<VarlenKConfig<BN, C>, EpiStoreTma<false>>(a, sms, s, name);
+  static Status run(const VarlenKArgs& a, int sms, cudaStream_t s, LaunchStep step, const char* name) {
+    return run_varlen_k<VarlenKConfig<BN, C>, EpiStoreTma<false>>(a, sms, s, step, name);
   }
 };
 template <int BN, Sched S, int C>
 struct Instance<Kind::dw_gather_p_t, BN, S, C> {  // P gathered, Q by TMA, D stored transposed
   static_assert(S == Sched::kCoop && (C == 1 || C == 2), "varlen-K: cooperative, cluster 1 or 2 along M");
-  static Status run(const VarlenKArgs& a, int sms, cudaStream_t s, const char* name) {
-    return run_varlen_k<VarlenKConfig<BN, C>, EpiStoreTma<true>>(a, sms, s, name);
+  static Status run(const VarlenKArgs& a, int sms, cudaStream_t s, LaunchStep step, const char* name) {
+    return run_varlen_k<VarlenKConfig<BN, C>, EpiStoreTma<true>>(a, sms, s, step, name);
   }
 };
 template <int BN, Sched S, int C>
 struct Instance<Kind::dw_tma, BN, S, C> {  // P and Q contiguous, both by TMA, D [E][M][N]
   static_assert(S == Sched::kCoop && (C == 1 || C == 2), "varlen-K: cooperative, cluster 1 or 2 along M");
-  static Status run(const VarlenKArgs& a, int sms, cudaStream_t s, const char* name) {
-    return run_varlen_k<VarlenKConfig<BN, C>, EpiStoreTma<false>, false>(a, sms, s, name);
+  static Status run(const VarlenKArgs& a, int sms, cudaStream_t s, LaunchStep step, const char* name) {
+    return run_varlen_k<VarlenKConfig<BN, C>, EpiStoreTma<false>, false>(a, sms, s, step, name);
   }
 };
 

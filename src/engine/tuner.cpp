@@ -151,7 +151,8 @@ Status tune_varlen_m(const VarlenMArgs& a, int sm_count, cudaStream_t stream, En
     if (fns.back() == nullptr) return no_instance(c);
   }
   if (r.candidates.empty()) return no_candidates(r.key);
-  SMOE_RETURN_IF_ERROR(measure([&](size_t c) { return fns[c](a, sm_count, stream); }, stream, &r));
+  auto run_candidate = [&](size_t c) { return fns[c](a, sm_count, stream, LaunchStep::kLaunch); };
+  SMOE_RETURN_IF_ERROR(measure(run_candidate, stream, &r));
   return finish(&r, chosen);
 }
 
@@ -166,7 +167,8 @@ Status tune_varlen_k(const VarlenKArgs& a, int sm_count, cudaStream_t stream, En
   }
   if (r.candidates.empty()) return no_candidates(r.key);
   const VarlenKArgs kernel_args = as_gather_p(a);  // the kernels' view, as the entry point runs them
-  SMOE_RETURN_IF_ERROR(measure([&](size_t c) { return fns[c](kernel_args, sm_count, stream); }, stream, &r));
+  auto run_candidate = [&](size_t c) { return fns[c](kernel_args, sm_count, stream, LaunchStep::kLaunch); };
+  SMOE_RETURN_IF_ERROR(measure(run_candidate, stream, &r));
   return finish(&r, chosen);
 }
 

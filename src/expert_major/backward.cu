@@ -11,6 +11,7 @@
 #include "expert_major/plan.h"
 #include "expert_major/rules.h"
 #include "expert_major/weights.h"
+#include "moe/da_proj.h"
 #include "moe/layer_common.h"
 #include "moe/layer_kernels.h"
 #include "moe/profile.h"
@@ -64,10 +65,7 @@ Status expert_major_backward(const ExpertMajorBackwardArgs& a, cudaStream_t stre
   bf16* const dH = a.consume_saved ? sv.h : w.dH;  // in place over H: see src/moe/backward.cu
   const layer::DSwiGLUIo io{sv.h, sv.scores, sv.row_of, dH, w.a_prime, w.ds_partial};
   const engine::VarlenMArgs da = layer::da_proj_args(er, a.dout, a.weights.w2, gu.halves, io);
-  engine::PreparedVarlenM da_gemm;
-  SMOE_RETURN_IF_ERROR(engine::prepare_varlen_m(da, sms, stream, &da_gemm));
-  SMOE_RETURN_IF_ERROR(spend_saved());
-  SMOE_RETURN_IF_ERROR(da_gemm.launch(da, sms, stream));
+  SMOE_RETURN_IF_ERROR(layer::run_da_proj(da, sms, stream, spend_saved));
   // Grouped rows past nnz are the padding rows (row_of): their dprobs entry gets 0.
   SMOE_RETURN_IF_ERROR(kernels::ds_rowsum(w.ds_partial, engine::ds_partial_tiles(s.n), sv.row_of, s.rows,
                                           expert_offset + s.E, dS, stream, w.valid));

@@ -13,6 +13,7 @@
 //   dx[t] = sum over t's entries of dX~[row] (+ dl W_r[e] for top-K, + dlogits W_r for rounding)
 #include "engine/engine.h"
 #include "moe/cublas_handles.h"
+#include "moe/da_proj.h"
 #include "moe/expert_gemms.h"
 #include "moe/layer_common.h"
 #include "moe/layer_kernels.h"
@@ -84,7 +85,7 @@ Status moe_backward(const MoEBackwardArgs& a, cudaStream_t stream) {
                                             moe_saved_state_size(s), sv.expert_offset, s.E, w.valid,
                                             w.expert_offset, a.status, stream));
   // consume_saved spends the state (dH goes over H below): its stamp is cleared before dA' launches,
-  // once dA' is prepared (spend_saved), so a second backward on it meets no stamp, as after a forward
+  // once dA' is prepared (layer::run_da_proj), so a second backward on it meets no stamp, as after a forward
   // that stopped half way, while a call refused before dA' leaves the state as it was.
   auto spend_saved = [&]() -> Status {
     return a.consume_saved ? kernels::clear_saved_stamp(plan::saved_layout(s, const_cast<void*>(a.saved)).stamp, stream)
@@ -123,10 +124,7 @@ Status moe_backward(const MoEBackwardArgs& a, cudaStream_t stream) {
   bf16* const dH = a.consume_saved ? sv.h : w.dH;
   const layer::DSwiGLUIo io{sv.h, sv.scores, sv.scatter_idx, dH, w.a_prime, w.ds_partial};
   const engine::VarlenMArgs da = layer::da_proj_args(er, a.dout, a.weights.w2, gu.halves, io);
-  engine::PreparedVarlenM da_gemm;
-  SMOE_RETURN_IF_ERROR(engine::prepare_varlen_m(da, sms, stream, &da_gemm));
-  SMOE_RETURN_IF_ERROR(spend_saved());
-  SMOE_RETURN_IF_ERROR(da_gemm.launch(da, sms, stream));
+  SMOE_RETURN_IF_ERROR(layer::run_da_proj(da, sms, stream, spend_saved));
   SMOE_RETURN_IF_ERROR(kernels::ds_rowsum(w.ds_partial, engine::ds_partial_tiles(s.n), sv.scatter_idx, rows,
                                           nnz, dS, stream, valid));
   profile::mark("dA_proj", stream);

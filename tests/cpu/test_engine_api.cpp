@@ -14,6 +14,7 @@
 #include "engine/overrides.h"
 #include "engine/rules.h"
 #include "engine/tune_cache.h"
+#include "moe/da_proj.h"
 #include "moe/expert_gemms.h"
 
 namespace eng = smoe::engine;
@@ -93,6 +94,33 @@ void expect_rejected(const smoe::Status& s, const std::string& needle) {
   EXPECT_NE(s.message.find(needle), std::string::npos) << "message: " << s.message;
 }
 
+// Where these host tests run: CI's CPU machine (every CUDA call fails), or the device's Hopper GPU.
+enum class GpuKind { kNone, kHopper, kOther };
+GpuKind gpu_kind() {
+  int devices = 0;
+  const bool any = cudaGetDeviceCount(&devices) == cudaSuccess && devices > 0;
+  (void)cudaGetLastError();
+  if (!any) return GpuKind::kNone;
+  cudaDeviceProp prop{};
+  return cudaGetDeviceProperties(&prop, 0) == cudaSuccess && prop.major == 9 ? GpuKind::kHopper : GpuKind::kOther;
+}
+
+// The heuristic alone while in scope: no tune cache, nothing measured (SMOE_ENGINE_TUNE=1 in the
+// environment would launch candidates, and the GPU branches below hold fake pointers).
+struct HeuristicOnly {
+  eng::Overrides saved = eng::overrides();
+  HeuristicOnly() {
+    eng::Overrides o;
+    o.tune = false;
+    o.measure = false;
+    eng::set_overrides(o);
+  }
+  ~HeuristicOnly() { eng::set_overrides(saved); }
+};
+
+// A stale prepared function (never called): a refusal must clear it.
+smoe::Status stale_run(const eng::VarlenMArgs&, int, cudaStream_t, eng::LaunchStep) { return {}; }
+
 }  // namespace
 
 TEST(EngineApi, VarlenMRules) {
@@ -147,7 +175,7 @@ TEST(EngineApi, PrepareRefusesBeforeAnyLaunch) {
   auto a = good_m();
   a.N = 100;
   eng::PreparedVarlenM p;
-  p.run = &eng::varlen_m;  // stale: a refusal must clear it
+  p.run = &stale_run;
   expect_rejected(eng::prepare_varlen_m(a, 132, nullptr, &p), "N = 100");
   EXPECT_EQ(p.run, nullptr);
   // Launching what was refused is an error, not a silent no-op that would leave the outputs unwritten.
@@ -155,10 +183,62 @@ TEST(EngineApi, PrepareRefusesBeforeAnyLaunch) {
   a = good_m();
   a.rows = 0;
   a.A = nullptr;
-  p.run = &eng::varlen_m;
+  p.run = &stale_run;
   EXPECT_TRUE(eng::prepare_varlen_m(a, 132, nullptr, &p).ok());
   EXPECT_EQ(p.run, nullptr);
   EXPECT_TRUE(p.launch(a, 132, nullptr).ok());
+}
+
+// The launch's host setup (the shared-memory attribute, the cluster slots: LaunchStep::kSetup) is
+// part of the prepare step, so its failure is a refusal with nothing prepared: the consuming backward
+// spends the saved state only after prepare succeeds. Without a GPU (CI) the attribute call fails,
+// so prepare must fail, naming the instantiation, where it used to succeed and leave the failure to
+// the launch; on a Hopper GPU it sets up and launches nothing (the pointers are fake).
+TEST(EngineApi, PrepareDoesTheLaunchSetup) {
+  const GpuKind kind = gpu_kind();
+  if (kind == GpuKind::kOther) GTEST_SKIP() << "a GPU that is not sm_90: its setup fails for another reason";
+  const bool gpu = kind == GpuKind::kHopper;
+  const HeuristicOnly heuristic_only;
+  eng::PreparedVarlenM p;
+  p.run = &stale_run;
+  const smoe::Status st = eng::prepare_varlen_m(good_m(), 132, nullptr, &p);
+  if (gpu) {
+    EXPECT_TRUE(st.ok()) << st.message;
+    EXPECT_NE(p.run, nullptr);
+  } else {
+    EXPECT_EQ(st.code, smoe::StatusCode::kCudaError) << st.message;
+    EXPECT_NE(st.message.find("engine "), std::string::npos) << "message: " << st.message;
+    EXPECT_EQ(p.run, nullptr);
+    expect_rejected(p.launch(good_m(), 132, nullptr), "nothing prepared");
+  }
+}
+
+// The consuming backward's order (moe/da_proj.h): the saved state is spent only after every host step
+// of dA' has passed, and dA' launches only after it is spent. A refused rule and (without a GPU) the
+// launch setup both stop the call before `spend`; a failing spend stops it before the launch (which,
+// with these fake pointers, must never run: the GPU branch relies on it).
+TEST(EngineApi, ConsumingDaProjSpendsOnlyOncePrepared) {
+  int spent = 0;
+  auto spend = [&]() -> smoe::Status {
+    ++spent;
+    return smoe::Status{smoe::StatusCode::kInvalidArgument, "spend: stop here"};
+  };
+  auto a = good_m();
+  a.N = 100;
+  expect_rejected(smoe::layer::run_da_proj(a, 132, nullptr, spend), "N = 100");
+  EXPECT_EQ(spent, 0);
+  const GpuKind kind = gpu_kind();
+  if (kind == GpuKind::kOther) GTEST_SKIP() << "a GPU that is not sm_90: its setup fails for another reason";
+  const bool gpu = kind == GpuKind::kHopper;
+  const HeuristicOnly heuristic_only;
+  const smoe::Status st = smoe::layer::run_da_proj(good_m(), 132, nullptr, spend);
+  if (gpu) {
+    expect_rejected(st, "spend: stop here");  // prepared, spent, and stopped before the launch
+    EXPECT_EQ(spent, 1);
+  } else {
+    EXPECT_EQ(st.code, smoe::StatusCode::kCudaError) << st.message;  // the launch setup, in prepare
+    EXPECT_EQ(spent, 0);
+  }
 }
 
 TEST(EngineApi, VarlenKRules) {
