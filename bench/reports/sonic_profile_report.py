@@ -81,6 +81,37 @@ def gemm_roles(sequence, order):
     return {role: k["ms"] for role, k in zip(order, gemms)}
 
 
+# The routing role split by job (first match): SonicMoE's forward top-K (a CuTe kernel on bf16 logits) and
+# its `_softmax_over_topk_bwd_kernel` against our topk_softmax_kernel and router_backward_kernel; the rest
+# of the role is the grouping (counts, prefix, scatter; SonicMoE's metadata kernels).
+ROUTING_PARTS = [("router backward", r"router_backward|topk_bwd|over_topk_bwd"),
+                 ("top-K softmax", r"topk|top_k"),
+                 ("grouping (counts, order)", r".")]
+
+
+def routing_parts(kernels):
+    """{part: ms} over the kernels of the routing role."""
+    out = {p: 0.0 for p, _ in ROUTING_PARTS}
+    for k in kernels:
+        if role_of(k["name"]) != "routing (top-K, counts, order)":
+            continue
+        low = k["name"].lower()
+        out[next(p for p, pat in ROUTING_PARTS if re.search(pat, low))] += k["ms"]
+    return out
+
+
+def routing_table(systems):
+    """Markdown lines: the routing role by job, ours beside SonicMoE's."""
+    ours, sonic = routing_parts(systems["ours"]["kernels"]), routing_parts(systems["sonicmoe"]["kernels"])
+    lines = ["", "Routing by job:", "", "| job | ours ms | SonicMoE ms | sonic / ours |", "|---|---|---|---|"]
+    for p, _ in ROUTING_PARTS:
+        if ours[p] == 0 and sonic[p] == 0:
+            continue
+        ratio = f"{sonic[p] / ours[p]:.2f}" if ours[p] > 0 else "-"
+        lines.append(f"| {p} | {ours[p]:.3f} | {sonic[p]:.3f} | {ratio} |")
+    return lines
+
+
 def gemm_table(systems):
     """Markdown lines: each GEMM's ms, ours beside SonicMoE's, from both launch orders; [] if either is missing."""
     ours = gemm_roles(systems["ours"].get("sequence"), OURS_GEMM_ORDER)
@@ -112,6 +143,7 @@ def report(doc):
         to, ts = systems["ours"]["sum_ms"], systems["sonicmoe"]["sum_ms"]
         lines.append(f"| **all kernels** | **{to:.3f}** | **{ts:.3f}** | **{ts / to:.2f}** |")
         lines += gemm_table(systems)
+        lines += routing_table(systems)
         for who, other in (("ours", ours_other), ("SonicMoE", sonic_other)):
             if other:
                 lines.append("")

@@ -58,3 +58,20 @@ def test_launch_order_names_each_gemm():
     assert "| dW1 | 2.500 | 2.000 | 0.80 |" in text and "| dX~ | 2.500 | 2.000 | 0.80 |" in text
     del doc["configs"]["c"]["sonicmoe"]["sequence"]  # an older profile.json: the role table only
     assert "Per GEMM" not in spr.report(doc)
+
+
+def test_routing_split_by_job():
+    ours = [{"name": n, "ms": ms} for n, ms in (
+        ("void smoe::topk_softmax_kernel<float, 8>", 0.08), ("smoe::routing::router_backward_kernel<8>", 0.01),
+        ("smoe::count_keys_kernel", 0.005), ("smoe::scatter_entries_kernel", 0.02), ("engine_kernel<EpiStore>", 1.0))]
+    sonic = [{"name": n, "ms": ms} for n, ms in (
+        ("kernel_cutlass_kernel_sonicmoefunctionaltopkSoftmax_Over_TopK_object", 0.02),
+        ("_softmax_over_topk_bwd_kernel", 0.02), ("quackgemm_default", 1.0))]
+    assert spr.routing_parts(ours) == {"router backward": 0.01, "top-K softmax": 0.08,
+                                       "grouping (counts, order)": 0.025}
+    doc = {"configs": {"c": {"ours": {"sum_ms": 1.1, "kernels": ours},
+                             "sonicmoe": {"sum_ms": 1.04, "kernels": sonic}}}}
+    text = spr.report(doc)
+    assert "| top-K softmax | 0.080 | 0.020 | 0.25 |" in text
+    assert "| router backward | 0.010 | 0.020 | 2.00 |" in text
+    assert "| grouping (counts, order) | 0.025 | 0.000 | 0.00 |" in text
