@@ -177,17 +177,20 @@ x() {
   esac
 }
 
-# ended_text RC LIMIT ELAPSED: how a command under `timeout --kill-after=10` ended. 124 is its limit;
-# 137 is SIGKILL, which is the limit's follow-up kill only when the limit has passed: a SIGKILL before
-# it came from elsewhere (the host's OOM killer, say; the 2026-12-07 pytest step died so after 82 of
-# 400 s), and calling that a time-out sends the next session after the wrong cause.
+# ended_text RC LIMIT ELAPSED UPTIME0: how a command under `timeout --kill-after=10` ended. 124 is its
+# limit; 137 is SIGKILL, which is the limit's follow-up kill only when the limit has passed: a SIGKILL
+# before it came from elsewhere (the host's OOM killer, say; the 2026-12-07 pytest step died so after
+# 82 of 400 s), and calling that a time-out sends the next session after the wrong cause. The kernel
+# log's OOM lines are shown only when newer than the command's start (UPTIME0, /proc/uptime seconds).
 ended_text() {
-  local rc=$1 secs=$2 took=$3
+  local rc=$1 secs=$2 took=$3 up0=${4:-0} oom
   if [ "$rc" -eq 124 ] || [ "$took" -ge "$secs" ]; then
     echo "(timed out after $secs s)"
   else
+    oom=$(dmesg 2>/dev/null | awk -F'[][]' -v t="$up0" '$2 + 0 > t' | grep -iE 'killed process|out of memory' |
+      tail -n 1 || true)
     echo "(killed by SIGKILL after $took of $secs s: not the time limit; the host's OOM killer?" \
-      "dmesg: $(dmesg 2>/dev/null | grep -iE 'killed process|out of memory' | tail -n 1 || true))"
+      "dmesg since the start: ${oom:-none readable})"
   fi
 }
 
@@ -208,12 +211,13 @@ xt() {
     -a) timeout --kill-after=10 "$secs" "$@" >"$f" 2>&1 & ;;
     *) timeout --kill-after=10 "$secs" "$@" & ;;
   esac
-  local pid=$! rc t0=$SECONDS
+  local pid=$! rc t0=$SECONDS up0
+  up0=$(cut -d' ' -f1 /proc/uptime 2>/dev/null || echo 0)
   echo "$pid" >>"$PGFILE"
   wait "$pid"; rc=$?
   sed -i "/^$pid\$/d" "$PGFILE" 2>/dev/null
   if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
-    say "$(ended_text "$rc" "$secs" $((SECONDS - t0)))"
+    say "$(ended_text "$rc" "$secs" $((SECONDS - t0)) "$up0")"
     kill -9 -- "-$pid" 2>/dev/null
   fi
   return "$rc"

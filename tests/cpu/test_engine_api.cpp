@@ -235,6 +235,9 @@ TEST(EngineApi, ConsumingDaProjSpendsOnlyOncePrepared) {
   if (gpu) {
     expect_rejected(st, "spend: stop here");  // prepared, spent, and stopped before the launch
     EXPECT_EQ(spent, 1);
+    // A launch before the spend would have run on the fake pointers: a fault shows here.
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    EXPECT_EQ(cudaGetLastError(), cudaSuccess);
   } else {
     EXPECT_EQ(st.code, smoe::StatusCode::kCudaError) << st.message;  // the launch setup, in prepare
     EXPECT_EQ(spent, 0);
