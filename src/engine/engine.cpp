@@ -102,7 +102,10 @@ Status choose_config(const VarlenKArgs& a, int sm_count, cudaStream_t stream, Ch
   return choose(a, sm_count, stream, overrides(), &out->config, &out->from);
 }
 
-Status prepare_varlen_m(const VarlenMArgs& a, int sm_count, cudaStream_t stream, PreparedVarlenM* out) {
+namespace {
+// setup: do the launch's host setup now (prepare_varlen_m, whose caller may change state before the
+// launch). varlen_m launches right after, and the launch does that setup itself: not twice there.
+Status prepare_m(const VarlenMArgs& a, int sm_count, cudaStream_t stream, bool setup, PreparedVarlenM* out) {
   *out = PreparedVarlenM{};
   SMOE_RETURN_IF_ERROR(check_varlen_m(a));
   if (a.rows == 0) return Status{};
@@ -119,9 +122,14 @@ Status prepare_varlen_m(const VarlenMArgs& a, int sm_count, cudaStream_t stream,
   if (run == nullptr) return no_instance(c, "engine::varlen_m");
   // The launch's host setup now, not at launch: a failure here (attribute, no cluster fits) is a
   // refusal that leaves the caller's state as it was.
-  SMOE_RETURN_IF_ERROR(run(a, sm_count, stream, LaunchStep::kSetup));
+  if (setup) SMOE_RETURN_IF_ERROR(run(a, sm_count, stream, LaunchStep::kSetup));
   out->run = run;
   return Status{};
+}
+}  // namespace
+
+Status prepare_varlen_m(const VarlenMArgs& a, int sm_count, cudaStream_t stream, PreparedVarlenM* out) {
+  return prepare_m(a, sm_count, stream, /*setup=*/true, out);
 }
 
 Status PreparedVarlenM::launch(const VarlenMArgs& a, int sm_count, cudaStream_t stream) const {
@@ -135,7 +143,7 @@ Status PreparedVarlenM::launch(const VarlenMArgs& a, int sm_count, cudaStream_t 
 
 Status varlen_m(const VarlenMArgs& a, int sm_count, cudaStream_t stream) {
   PreparedVarlenM p;
-  SMOE_RETURN_IF_ERROR(prepare_varlen_m(a, sm_count, stream, &p));
+  SMOE_RETURN_IF_ERROR(prepare_m(a, sm_count, stream, /*setup=*/false, &p));
   return p.launch(a, sm_count, stream);
 }
 

@@ -61,7 +61,7 @@ Status varlen_k(const VarlenKArgs& a, int sm_count, cudaStream_t stream);
 // (the kernel's shared-memory attribute, the cluster slots: dispatch.h's LaunchStep::kSetup), launching
 // nothing but what SMOE_ENGINE_TUNE=1 measures; launch then runs it on the same arguments, and only a
 // failure of the launch itself (cudaLaunchKernelEx, an earlier asynchronous error) can come after.
-// varlen_m is the two in turn.
+// varlen_m is the two in turn, without the separate setup (its launch does it, with nothing between).
 struct PreparedVarlenM {
   RunVarlenM run = nullptr;  // null after a refusal, and for zero rows (nothing to launch)
   Status launch(const VarlenMArgs& a, int sm_count, cudaStream_t stream) const;
