@@ -29,7 +29,9 @@
 #             extension, runs SonicMoE alone on SONIC_WARM_CONFIG so its cold (quack) autotune
 #             fills the machine's cache) or run (the next call on the still-warm machine:
 #             SONIC_CONFIGS names, default all of SONIC_CONFIGS_FILES: bench/configs/configs.json,
-#             or several files comma-separated, e.g. adding sweep_configs.json and wide_configs.json).
+#             or several files comma-separated, e.g. adding sweep_configs.json and wide_configs.json;
+#             SONIC_ROUNDS: side_by_side.py's --rounds, ours and SonicMoE in alternating rounds after
+#             the sequential measurement, default 4, 0 none).
 #             SONIC_BUDGET (570 s from the script's start) caps both. SONIC_STAGE=profile (after warm, as
 #             run): bench/drivers/sonic_profile.py, both systems' kernels one by one (torch.profiler) on
 #             SONIC_PROFILE_CONFIGS (default the large six) -> $OUT/sonic/profile/{<config>.<system>.md,profile.json};
@@ -502,8 +504,8 @@ step_sonic() {
       run)
         xt -a "$d/side_by_side.log" "$(left)" python3 bench/drivers/side_by_side.py \
           --configs-file "${SONIC_CONFIGS_FILES:-bench/configs/configs.json}" \
-          ${SONIC_CONFIGS:+--configs "$SONIC_CONFIGS"} --out "$d/side_by_side.json" --plots "$d" \
-          --commit "$COMMIT" || rc=1 ;;
+          ${SONIC_CONFIGS:+--configs "$SONIC_CONFIGS"} ${SONIC_ROUNDS:+--rounds "$SONIC_ROUNDS"} \
+          --out "$d/side_by_side.json" --plots "$d" --commit "$COMMIT" || rc=1 ;;
       profile)
         # Both systems' kernels one by one in one process, same inputs (bench/drivers/sonic_profile.py):
         # which of SonicMoE's GEMMs / sums beats ours. After a warm stage, as run.

@@ -167,8 +167,9 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-def time_ms(fn, reps, warmup, device, before=None):
-    """Median time of fn() in ms.  before() runs outside the timed region of every call."""
+def time_all(fn, reps, warmup, device, before=None):
+    """Every timed call of fn() in ms, in order (warmup calls first, untimed).  before() runs outside
+    the timed region of every call."""
     for _ in range(warmup):
         if before:
             before()
@@ -193,6 +194,12 @@ def time_ms(fn, reps, warmup, device, before=None):
             t0 = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def time_ms(fn, reps, warmup, device, before=None):
+    """Median, min and max time of fn() in ms (time_all)."""
+    times = time_all(fn, reps, warmup, device, before)
     return statistics.median(times), min(times), max(times)
 
 

@@ -20,6 +20,7 @@ import argparse
 import gc
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -85,6 +86,14 @@ def rel_l2(a, b, rows=None):
     return (num / max(den, 1e-300)) ** 0.5
 
 
+def sonic_forward(params, K, stream):
+    """SonicMoE's layer on our tensors: its w1 (2n, d, E) and w2 (d, n, E) are permute(1, 2, 0) views of
+    our [E][2n][d] and [E][d][n] (bench_sonic)."""
+    x, w_router, w1i, w2 = params
+    return sonicmoe.moe_TC_softmax_topk_layer(x, w_router, w1i.permute(1, 2, 0), None, w2.permute(1, 2, 0),
+                                              None, K, stream, ActivationType.SWIGLU, False)[0]
+
+
 def bench_sonic(cfg, args, device):
     """SonicMoE 0.1.2.post1 through moe_TC_softmax_topk_layer (its own router: softmax over the K chosen
     logits, as ours). Its weight format is w1 (2n, d, E) with stride order (2, 0, 1), gate/up interleaved,
@@ -92,12 +101,10 @@ def bench_sonic(cfg, args, device):
     see the very same tensors, and we also record how far apart their outputs and gradients are."""
     K = int(cfg["K"])
     params, dout = layer_inputs(cfg, args, device)
-    x, w_router, w1i, w2 = params
     stream = torch.cuda.current_stream().cuda_stream
 
     def fwd():
-        return sonicmoe.moe_TC_softmax_topk_layer(x, w_router, w1i.permute(1, 2, 0), None, w2.permute(1, 2, 0),
-                                                  None, K, stream, ActivationType.SWIGLU, False)[0]
+        return sonic_forward(params, K, stream)
 
     res = tb.measure(fwd, params, dout, cfg, args, device)
     try:
@@ -105,6 +112,72 @@ def bench_sonic(cfg, args, device):
     except Exception as e:  # noqa: BLE001  (the timing above stands on its own)
         res["agreement_error"] = f"{type(e).__name__}: {str(e)[:300]}"
     return res
+
+
+def round_order(names, r):
+    """Round r's order of the systems: as given on even rounds, reversed on odd ones. Over an even number
+    of rounds each system then runs first and last equally often, so a drift of the card's clocks (the
+    H100 runs power-capped under this load) and the L2 state one system leaves the next fall on both
+    alike. The sequential measurement (tb.measure per system) runs ours before torch before SonicMoE,
+    every config, in one block each."""
+    names = list(names)
+    return names if r % 2 == 0 else names[::-1]
+
+
+def interleaved_rounds(systems, rounds, timer):
+    """systems: {name: (fwd, fwd_bwd, before)}; timer(fn, before) -> the timed calls of one block (its
+    warm-up untimed), in ms. Each round runs, per system in round_order, a block of fwd() and then a
+    block of fwd_bwd() (before() outside every timed call). Returns {name: {"fwd_ms": [...],
+    "fwd_bwd_ms": [...]}}: each block's median, one per round."""
+    per = {k: {"fwd_ms": [], "fwd_bwd_ms": []} for k in systems}
+    for r in range(rounds):
+        for name in round_order(systems, r):
+            fwd, fwd_bwd, before = systems[name]
+            per[name]["fwd_ms"].append(statistics.median(timer(fwd, None)))
+            per[name]["fwd_bwd_ms"].append(statistics.median(timer(fwd_bwd, before)))
+    return per
+
+
+def interleaved_summary(per, a="ours", b="sonicmoe"):
+    """b's time over a's (> 1: a is faster) in each round, for the forward, the backward (the round's
+    fwd_bwd less its fwd) and both, with their median, min and max over the rounds. A ratio of a round
+    whose time of a is not positive is left out (None)."""
+    out = {}
+    rounds = len(per[a]["fwd_ms"])
+    for key in ("fwd", "bwd", "fwd_bwd"):
+        def t(name, r):
+            f, fb = per[name]["fwd_ms"][r], per[name]["fwd_bwd_ms"][r]
+            return f if key == "fwd" else fb - f if key == "bwd" else fb
+        ratios = [t(b, r) / t(a, r) if t(a, r) > 0 else None for r in range(rounds)]
+        ok = [v for v in ratios if v is not None]
+        out[key] = {"rounds": ratios, "median": statistics.median(ok) if ok else None,
+                    "min": min(ok) if ok else None, "max": max(ok) if ok else None}
+    return out
+
+
+def bench_interleaved(cfg, args, device):
+    """ours and SonicMoE on one set of tensors in --rounds alternating rounds (interleaved_rounds), blocks
+    of --round-warmup untimed and --round-reps timed calls: the ratio of the two without the order and
+    drift of the sequential measurement."""
+    import smoe_torch  # noqa: F401
+    K = int(cfg["K"])
+    params, dout = layer_inputs(cfg, args, device)
+    stream = torch.cuda.current_stream().cuda_stream
+
+    def zero_grads():
+        for p in params:
+            p.grad = None
+
+    def make(fwd):
+        return fwd, (lambda: fwd().backward(dout)), zero_grads
+
+    systems = {"ours": make(lambda: ours_forward(params, K)), "sonicmoe": make(lambda: sonic_forward(params, K, stream))}
+    per = interleaved_rounds(systems, args.rounds,
+                             lambda fn, before: tb.time_all(fn, args.round_reps, args.round_warmup, device, before))
+    zero_grads()
+    return {"rounds": args.rounds, "reps": args.round_reps, "warmup": args.round_warmup,
+            "order": "ours then SonicMoE on even rounds, the reverse on odd ones",
+            "per_round_ms": per, "sonicmoe_over_ours": interleaved_summary(per)}
 
 
 def agreement(sonic_fwd, params, dout, K):
@@ -219,8 +292,22 @@ def table_md(doc, path):
         vs = f"{e['speedup_vs_sonicmoe']:.2f}x" if "speedup_vs_sonicmoe" in e else "n/a"
         lines.append(f"| {e['config']['name']} | {trip(o)} | {trip(t)} | {trip(so)} | {vt} | {vs} | "
                      f"{gb(o)} / {gb(t)} / {gb(so)} |")
+    inter = [e for e in doc["results"] if "interleaved" in e and "error" not in e["interleaved"]]
+    if inter:
+        def span(v):
+            return "n/a" if v["median"] is None else f"{v['median']:.3f} ({v['min']:.3f}-{v['max']:.3f})"
+        i0 = inter[0]["interleaved"]
+        lines += ["", f"Ours against SonicMoE in alternating rounds on the same tensors ({i0['rounds']} rounds, "
+                  f"{i0['order']}; blocks of {i0['warmup']} untimed and {i0['reps']} timed calls): SonicMoE's "
+                  "time over ours (> 1: ours is faster), the median over the rounds (min-max).", "",
+                  "| config | forward | backward | forward + backward |", "|---|---|---|---|"]
+        for e in inter:
+            r = e["interleaved"]["sonicmoe_over_ours"]
+            lines.append(f"| {e['config']['name']} | {span(r['fwd'])} | {span(r['bwd'])} | {span(r['fwd_bwd'])} |")
     errs = [(e["config"]["name"], k, r["error"]) for e in doc["results"] for k, r in e["systems"].items()
             if "error" in r]
+    errs += [(e["config"]["name"], "interleaved", e["interleaved"]["error"]) for e in doc["results"]
+             if "error" in e.get("interleaved", {})]
     if errs:
         lines += ["", "n/a:"] + [f"- {n}, {k}: {msg}" for n, k, msg in errs]
     if "processes" in doc:  # merged from runs of config subsets (--merge)
@@ -281,6 +368,11 @@ def main():
     ap.add_argument("--plots", help="folder for the PNG plots")
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--systems", default="ours,torch,sonicmoe", help="which of ours,torch,sonicmoe to run")
+    ap.add_argument("--rounds", type=int, default=4,
+                    help="after the sequential measurement, ours and SonicMoE in this many alternating rounds "
+                         "(round_order; 0: none)")
+    ap.add_argument("--round-reps", type=int, default=10, help="timed calls per block of a round")
+    ap.add_argument("--round-warmup", type=int, default=2, help="untimed calls before each block of a round")
     ap.add_argument("--replot", metavar="JSON", help="only redraw the plots of a results file (no GPU)")
     ap.add_argument("--merge", metavar="JSON", nargs="+",
                     help="merge results files of config subsets into --out (no GPU), in --configs-file order")
@@ -335,6 +427,8 @@ def main():
             entry["speedup_vs_torch"] = torch_res["fwd_bwd_ms"] / ours["fwd_bwd_ms"]
         if "error" not in ours and "error" not in sonic:
             entry["speedup_vs_sonicmoe"] = sonic["fwd_bwd_ms"] / ours["fwd_bwd_ms"]
+            if args.rounds > 0:
+                entry["interleaved"] = run_system(bench_interleaved, cfg, args, device)
         results.append(entry)
         json.dump(doc, open(args.out, "w"), indent=1)
     def trip(s):
@@ -349,8 +443,10 @@ def main():
         o, t, so = (r["systems"][k] for k in ("ours", "torch_grouped_mm", "sonicmoe"))
         sp = f"{r['speedup_vs_torch']:.2f}" if "speedup_vs_torch" in r else "-"
         ss = f"{r['speedup_vs_sonicmoe']:.2f}" if "speedup_vs_sonicmoe" in r else "-"
+        inter = r.get("interleaved", {}).get("sonicmoe_over_ours", {}).get("fwd_bwd", {}).get("median")
+        si = f"  (alternating rounds: x{inter:.3f})" if inter is not None else ""
         print(f"{r['config']['name']:20s} {'':>22s} {trip(o):>12s} {trip(t):>12s} {trip(so):>12s} {sp:>8s} {ss:>8s}"
-              f"   {gb(o)} / {gb(t)} / {gb(so)}")
+              f"   {gb(o)} / {gb(t)} / {gb(so)}{si}")
     if SONIC_REASON:
         print("sonicmoe:", SONIC_REASON)
     table_md(doc, os.path.splitext(args.out)[0] + ".md")

@@ -290,6 +290,21 @@ def test_sonic_profile_stage_profiles_the_large_six_or_the_named_configs(tmp_pat
     assert line.endswith("--resume .devrun/prev.json &> " + str(tmp_path / "out" / "sonic" / "profile.log")), line
 
 
+def test_sonic_run_stage_passes_the_alternating_rounds_only_when_asked(tmp_path):
+    # Dry run: side_by_side.py's own default (4 rounds) unless SONIC_ROUNDS names a count.
+    e = dict(os.environ, OUT=str(tmp_path / "out"), SMOE_COMMIT="test", DEVICE_DRY_RUN="1", SONIC_STAGE="run")
+    e.pop("SONIC_ROUNDS", None)
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "device.sh"), "sonic"], cwd=ROOT, env=e,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    line = next(x for x in r.stdout.splitlines() if "side_by_side.py" in x)
+    assert "--rounds" not in line and "--commit test" in line, line
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "device.sh"), "sonic"], cwd=ROOT,
+                       env=dict(e, SONIC_ROUNDS="0"), capture_output=True, text=True, timeout=60)
+    line = next(x for x in r.stdout.splitlines() if "side_by_side.py" in x)
+    assert "--rounds 0 " in line and "--commit test" in line, line
+
+
 def test_sonic_stage_seeds_the_cards_committed_autotune_results_and_harvests_the_cache(tmp_path):
     # Dry run: the committed results of the card (SONIC_CARD stands in for nvidia-smi) are copied into
     # the quack cache before SonicMoE runs, never over what is there; the cache's results come back after.
