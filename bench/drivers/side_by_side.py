@@ -4,7 +4,9 @@ grouped_mm baseline (torchtitan pattern, bench/baselines/torch_baseline.py), (c)
 (bench/baselines/sonicmoe_env.sh installs it on the GPU machine).
 
 Same inputs for all three (torch_baseline.make_inputs); the same timing (torch_baseline.measure: CUDA events, warm-up,
-median) and memory accounting (memory_allocated after forward minus before, less the output).
+median) and memory accounting (memory_allocated after forward minus before, less the output). Then, with
+--rounds R (default 4), (a) and (c) again on one set of tensors in R rounds of alternating order (round_order),
+whose per-round ratio the table reports beside the sequential one.
 (a) calls torch.ops.smoe.moe_forward with gate/up already interleaved (the library's layout, as a
 caller that keeps its weights that way would); smoe_torch.MoE's own cost over the op is in
 bench/drivers/module_vs_op.py.
