@@ -88,7 +88,7 @@
 #             tree ($BUILD keeps side B); without it B is A's binary (env A/Bs).
 #             AB_VARIANTS: side B's runs, 'name:VAR=v VAR2=w;name2:...' (default 'b:'); AB_ENV_A: side
 #             A's VAR=value words. layer_digest of A and of the first variant must match bitwise
-#             (AB_DIGEST=0: not compared). Then AB_ROUNDS (3) interleaved rounds (A, each variant; even
+#             (AB_DIGEST=0: not compared; AB_DIGEST_VARIANTS='all' or 'v1 v2': those variants'). Then AB_ROUNDS (3) interleaved rounds (A, each variant; even
 #             rounds in the reverse order unless AB_ORDER=fixed) of
 #             bench_layer over each configs file stem of AB_CONFIGS (default "configs wide_configs":
 #             bench/configs/<stem>.json; 'unseen': bench/configs/unseen.py's draw with seed
@@ -710,6 +710,17 @@ step_ab() {
       [[ " ${names[*]} " == *" $sv "* ]] || { say "AB_CONFIGS: variant '$sv' of '$entry' is not in AB_VARIANTS"; return 1; }
     done
   done
+  # AB_DIGEST_VARIANTS: the variants whose digest must equal A's ('all', or names; default the
+  # first): a stack of switched patches checks each switch's bits in one call.
+  local dnames=() dn
+  case "${AB_DIGEST_VARIANTS:-}" in
+    '') dnames=("${names[0]}") ;;
+    all) dnames=("${names[@]}") ;;
+    *) read -r -a dnames <<<"${AB_DIGEST_VARIANTS//,/ }" ;;
+  esac
+  for dn in "${dnames[@]}"; do
+    [[ " ${names[*]} " == *" $dn "* ]] || { say "AB_DIGEST_VARIANTS: '$dn' is not in AB_VARIANTS"; return 1; }
+  done
   mkdir -p "$d"
   x cp "$BUILD/bench_layer" "$a_bin" || return 1
   if [ "${AB_DIGEST:-1}" != 0 ] && { dry || [ -x "$BUILD/layer_digest" ]; }; then
@@ -754,13 +765,18 @@ step_ab() {
     fi
   done
   if [ "$digest" = 1 ]; then
-    read -r -a env_b <<<"$(ab_vars "${variants[0]}")"
     xt -o "$d/digest_a.txt" 300 env ${env_a[@]+"${env_a[@]}"} "$STATE/digest_a" || rc=1
-    xt -o "$d/digest_b.txt" 300 env ${env_b[@]+"${env_b[@]}"} "$BUILD/layer_digest" || rc=1
-    if ! dry; then
-      if cmp -s "$d/digest_a.txt" "$d/digest_b.txt"; then say "digest: ${names[0]} == a (bitwise)"
-      else say "digest: ${names[0]} DIFFERS from a"; diff "$d/digest_a.txt" "$d/digest_b.txt" | head -8; rc=1; fi
-    fi
+    for dn in "${dnames[@]}"; do
+      for v in "${variants[@]}"; do [ "${v%%:*}" = "$dn" ] && break; v=; done
+      f="$d/digest_b.txt"
+      [ "$dn" = "${names[0]}" ] || f="$d/digest_$dn.txt"
+      read -r -a env_b <<<"$(ab_vars "$v")"
+      xt -o "$f" 300 env ${env_b[@]+"${env_b[@]}"} "$BUILD/layer_digest" || rc=1
+      if ! dry; then
+        if cmp -s "$d/digest_a.txt" "$f"; then say "digest: $dn == a (bitwise)"
+        else say "digest: $dn DIFFERS from a"; diff "$d/digest_a.txt" "$f" | head -8; rc=1; fi
+      fi
+    done
   fi
   # The sides of a round: A, then each variant; AB_ORDER=alternate (the default) runs even rounds in
   # the reverse order, so that no side always runs first or right after another. (On the H100 two

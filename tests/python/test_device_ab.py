@@ -61,6 +61,29 @@ def test_differing_digest_fails_the_step(tmp_path):
     assert "digest: b DIFFERS from a" in r.stdout
 
 
+def test_digest_variants_check_each_named_switch(tmp_path):
+    # A stack of switched patches: every variant's digest is compared with A's, each in its own file;
+    # one that differs is named and fails the step, the others still pass.
+    r, d = run_ab(tmp_path, "x ${FAKE_DIGEST:-1}", AB_VARIANTS="off:;rule:FAKE_SPEED=1.1;odd:FAKE_DIGEST=2",
+                  AB_DIGEST_VARIANTS="all")
+    assert r.returncode == 1
+    assert "digest: off == a (bitwise)" in r.stdout and "digest: rule == a (bitwise)" in r.stdout
+    assert "digest: odd DIFFERS from a" in r.stdout
+    assert (d / "digest_b.txt").exists() and (d / "digest_rule.txt").exists()
+    assert (d / "digest_odd.txt").read_text().strip() == "x 2"
+    assert (d / "ab_rule_smoke_configs.md").exists()  # the rounds still ran
+    r, d = run_ab(tmp_path, "x ${FAKE_DIGEST:-1}", AB_VARIANTS="off:;odd:FAKE_DIGEST=2", AB_DIGEST_VARIANTS="off")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "odd" not in "".join(l for l in r.stdout.splitlines() if l.startswith("digest"))
+
+
+def test_a_digest_variant_not_in_the_variants_is_refused_before_anything_runs(tmp_path):
+    r, d = run_ab(tmp_path, "x 1", AB_VARIANTS="off:;rule:", AB_DIGEST_VARIANTS="off,typo")
+    assert r.returncode == 1
+    assert "AB_DIGEST_VARIANTS: 'typo' is not in AB_VARIANTS" in r.stdout
+    assert not d.exists() or not list(d.glob("*"))
+
+
 def test_a_variant_without_environment(tmp_path):
     # 'plain' (no colon) runs side B with no variables; 'x:' the same.
     r, d = run_ab(tmp_path, "x 1", AB_VARIANTS="plain;x:")
