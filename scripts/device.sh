@@ -36,6 +36,10 @@
 #             run): bench/drivers/sonic_profile.py, both systems' kernels one by one (torch.profiler) on
 #             SONIC_PROFILE_CONFIGS (default the large six) -> $OUT/sonic/profile/{<config>.<system>.md,profile.json};
 #             SONIC_PROFILE_RESUME=<an earlier call's profile.json, copied into the tree>: profile only what it lacks.
+#             SONIC_STAGE=ncu (after warm, as run): each GEMM's launch configuration and throughputs under
+#             Nsight Compute, ours beside SonicMoE's, one ncu run per (config, system) of SONIC_NCU_CONFIGS
+#             (default 30B n256, 30B n512, Qwen3-Next) -> $OUT/sonic/ncu/{sonic_ncu.md,<config>.<system>.csv}
+#             (SONIC_NCU_METRICS, SONIC_NCU_FLAGS: extra ncu words).
 #             Every stage seeds quack's autotune cache with bench/baselines/sonic_autotune/<card>/ and
 #             brings the cache's results back in $OUT/sonic/autotune/<card>/ (SONIC_AUTOTUNE_SEED=0: none copied in)
 #   tune      the engine tuner's evidence: for each configs file of TUNE_CONFIGS (default
@@ -479,6 +483,49 @@ sonic_autotune_harvest() {
   say "SonicMoE autotune: ${#files[@]} result(s) in $SONIC_CACHE, copied to ${dst#"$ROOT"/}"
 }
 
+# SONIC_STAGE=ncu: each GEMM's launch configuration (grid, cluster, registers, shared memory: the tile and
+# stages an autotune or heuristic chose) and throughputs under Nsight Compute, ours beside SonicMoE's. One
+# ncu run per (config, system): sonic_profile.py --ncu runs one iteration after its warm-up between
+# cudaProfilerStart / Stop (--profile-from-start off: SonicMoE's autotune and JIT launches are not profiled),
+# so the run's kernels in launch order name the GEMMs (bench/reports/sonic_ncu_report.py, from manifest.tsv).
+# Hardware metrics this ncu does not know are dropped first (an unknown --metrics name fails the run).
+sonic_ncu_metrics() {
+  local want="${SONIC_NCU_METRICS:-dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct,sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_elapsed,launch__cluster_dim_x}"
+  dry && { echo "$want"; return; }
+  local known m keep=() ms=()
+  known="$(ncu --query-metrics 2>/dev/null | awk '{print $1}')"
+  [ -n "$known" ] || { echo "$want"; return; }
+  IFS=',' read -r -a ms <<<"$want"
+  for m in "${ms[@]}"; do
+    case "$m" in launch__*) keep+=("$m"); continue ;; esac
+    if grep -qx "${m%%.*}" <<<"$known"; then keep+=("$m"); else say "sonic ncu: this ncu has no metric ${m%%.*}: dropped" >&2; fi
+  done
+  local IFS=,; echo "${keep[*]}"
+}
+sonic_ncu() {
+  local d="$1" rep="${TMPDIR:-/tmp}/smoe_sonic_ncu" cfg sys tag rc=0 metrics cfgs=()
+  mkdir -p "$d" "$rep"   # the reports themselves outside $OUT (size)
+  : >"$d/manifest.tsv"
+  metrics="$(sonic_ncu_metrics)"
+  IFS=',' read -r -a cfgs <<<"${SONIC_NCU_CONFIGS:-30B n256 E256 K16,30B n512 E128 K8,Qwen3-Next-80B}"
+  for cfg in "${cfgs[@]}"; do
+    tag=$(echo "$cfg" | tr -c 'A-Za-z0-9.\n-' '_')
+    for sys in ours sonicmoe; do
+      say "---- $cfg, $sys"
+      # shellcheck disable=SC2086  # SONIC_NCU_FLAGS: extra ncu words, e.g. --clock-control none
+      xt -a "$d/ncu_$tag.$sys.log" "$(left)" ncu --target-processes all --profile-from-start off -f -o "$rep/$tag.$sys" \
+        --section SpeedOfLight --section LaunchStats ${metrics:+--metrics "$metrics"} ${SONIC_NCU_FLAGS:-} \
+        python3 bench/drivers/sonic_profile.py --ncu --configs "$cfg" --systems "$sys" --out "$d" \
+        --commit "$COMMIT" || { rc=1; continue; }
+      x -o "$d/$tag.$sys.csv" ncu --import "$rep/$tag.$sys.ncu-rep" --csv --page raw || { rc=1; continue; }
+      printf '%s\t%s\t%s\n' "$cfg" "$sys" "$tag.$sys.csv" >>"$d/manifest.tsv"
+    done
+  done
+  x -o "$d/sonic_ncu.md" python3 bench/reports/sonic_ncu_report.py "$d" || rc=1
+  dry || cat "$d/sonic_ncu.md"
+  return $rc
+}
+
 step_sonic() {
   if ! dry && [ ! -d .whl ]; then say "no .whl/: run bench/baselines/sonicmoe_env.sh pack here and carry .whl"; return 1; fi
   torch_ext || return 1
@@ -512,7 +559,8 @@ step_sonic() {
         xt -a "$d/profile.log" "$(left)" python3 bench/drivers/sonic_profile.py \
           --configs "${SONIC_PROFILE_CONFIGS:-$SONIC_LARGE_SIX}" --out "$d/profile" --commit "$COMMIT" \
           ${SONIC_PROFILE_RESUME:+--resume "$SONIC_PROFILE_RESUME"} || rc=1 ;;
-      *) say "SONIC_STAGE must be warm, run or profile"; rc=1 ;;
+      ncu) sonic_ncu "$d/ncu" || rc=1 ;;
+      *) say "SONIC_STAGE must be warm, run, profile or ncu"; rc=1 ;;
     esac
   else
     say "sonicmoe does not import"; rc=1

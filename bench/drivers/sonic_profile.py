@@ -14,6 +14,11 @@ each GEMM where a kernel serves several), rewritten after each, so a call cut at
 what finished. --resume PREV.json (an earlier call's profile.json, same commit and GPU) keeps its tables and
 profiles only the (config, system) pairs it lacks: on a warm machine a second call goes on where the first
 was cut (scripts/device.sh: SONIC_PROFILE_RESUME).
+
+--ncu: for Nsight Compute (`ncu --profile-from-start off ... sonic_profile.py --ncu`, scripts/device.sh sonic with
+SONIC_STAGE=ncu): after the warm-up, one iteration runs between cudaProfilerStart and cudaProfilerStop, so ncu
+measures only the layer's kernels, never SonicMoE's autotune or JIT launches; no torch.profiler, no tables
+(bench/reports/sonic_ncu_report.py reads ncu's).
 """
 import argparse
 import json
@@ -81,6 +86,12 @@ def profile_config(cfg, args, device, system):
         step()
     torch.cuda.synchronize()
     warm_s = time.time() - t0
+    if args.ncu:
+        torch.cuda.profiler.start()
+        step()
+        torch.cuda.synchronize()
+        torch.cuda.profiler.stop()
+        return warm_s, None, None
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(args.iters):
             step()
@@ -110,7 +121,11 @@ def main():
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--out", required=True)
     ap.add_argument("--resume", help="an earlier call's profile.json: keep its tables, profile only what it lacks")
+    ap.add_argument("--ncu", action="store_true",
+                    help="one iteration between cudaProfilerStart / Stop after the warm-up, for ncu; no tables")
     args = ap.parse_args()
+    if args.ncu and args.resume:
+        sys.exit("--ncu and --resume: --ncu writes no tables to resume")
     systems = [x for x in args.systems.split(",") if x]
     bad = [x for x in systems if x not in ("sonicmoe", "ours")]
     if bad or not systems:
@@ -135,6 +150,11 @@ def main():
         json.dump(doc, open(os.path.join(args.out, "profile.json"), "w"), indent=1)
     for name, system in todo:
         warm_s, table, sequence = profile_config(cfgs[name], args, device, system)
+        if args.ncu:
+            print(f"ncu: one iteration of {name}, {system}, between cudaProfilerStart / Stop (warm-up {warm_s:.0f} s)",
+                  flush=True)
+            torch.cuda.empty_cache()
+            continue
         total = sum(ms for _, _, ms in table)
         lines = [f"# {system} kernels, {name} (forward + backward, ms per iteration over {args.iters}; "
                  f"warm-up {warm_s:.0f} s)", "", "| kernel | calls | ms |", "|---|---|---|"]

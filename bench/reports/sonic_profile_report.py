@@ -65,20 +65,26 @@ def is_gemm(name):
     return role_of(name) in ROLE_NAMES[1:4]
 
 
-def gemm_roles(sequence, order):
-    """{role: ms} of one iteration's GEMM launches, named by their place in `order`; our dW1 may be two
-    launches (separate gate / up weights: both count as dW1). None when the launches do not fit the order
-    (another version or path: then the aggregated table is all there is)."""
+def gemm_launches(sequence, order):
+    """{role: [launches]} of one iteration's GEMM launches (items with a "name"), named by their place in
+    `order`; our dW1 may be two launches (separate gate / up weights: both are dW1). None when the launches
+    do not fit the order (another version or path: then the aggregated table is all there is)."""
     if not sequence:
         return None
-    gemms = [k for k in sequence if is_gemm(k["name"])]
+    gemms = [[k] for k in sequence if is_gemm(k["name"])]
     n = len(order)
-    if len(gemms) == n + 1 and order == OURS_GEMM_ORDER and "varlenk" in gemms[4]["name"].lower() \
-            and "varlenk" in gemms[5]["name"].lower():
-        gemms = gemms[:4] + [{"name": gemms[4]["name"], "ms": gemms[4]["ms"] + gemms[5]["ms"]}] + gemms[6:]
+    if len(gemms) == n + 1 and order == OURS_GEMM_ORDER and "varlenk" in gemms[4][0]["name"].lower() \
+            and "varlenk" in gemms[5][0]["name"].lower():
+        gemms = gemms[:4] + [gemms[4] + gemms[5]] + gemms[6:]
     if len(gemms) != n:
         return None
-    return {role: k["ms"] for role, k in zip(order, gemms)}
+    return dict(zip(order, gemms))
+
+
+def gemm_roles(sequence, order):
+    """{role: ms} of gemm_launches (a role's launches summed); None where it is None."""
+    launches = gemm_launches(sequence, order)
+    return None if launches is None else {role: sum(k["ms"] for k in ks) for role, ks in launches.items()}
 
 
 # The routing role split by job (first match): SonicMoE's forward top-K (a CuTe kernel on bf16 logits) and

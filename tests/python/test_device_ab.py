@@ -305,12 +305,39 @@ def test_sonic_profile_stage_profiles_the_large_six_or_the_named_configs(tmp_pat
     assert "--configs OLMoE-7B " in line and "Qwen3" not in line, line
     bad = subprocess.run(["bash", str(ROOT / "scripts" / "device.sh"), "sonic"], cwd=ROOT,
                          env=dict(e, SONIC_STAGE="bogus"), capture_output=True, text=True, timeout=60)
-    assert bad.returncode != 0 and "SONIC_STAGE must be warm, run or profile" in bad.stdout
+    assert bad.returncode != 0 and "SONIC_STAGE must be warm, run, profile or ncu" in bad.stdout
     assert "--resume" not in line
     r = subprocess.run(["bash", str(ROOT / "scripts" / "device.sh"), "sonic"], cwd=ROOT,
                        env=dict(e, SONIC_PROFILE_RESUME=".devrun/prev.json"), capture_output=True, text=True, timeout=60)
     line = next(x for x in r.stdout.splitlines() if "sonic_profile.py" in x)
     assert line.endswith("--resume .devrun/prev.json &> " + str(tmp_path / "out" / "sonic" / "profile.log")), line
+
+
+def test_sonic_ncu_stage_runs_ncu_once_per_config_and_system_then_the_report(tmp_path):
+    # Dry run: one ncu run per (config, system), profiling from cudaProfilerStart only (sonic_profile.py --ncu),
+    # its raw page into the manifest, and the report over the folder at the end.
+    e = dict(os.environ, OUT=str(tmp_path / "out"), SMOE_COMMIT="test", DEVICE_DRY_RUN="1", SONIC_STAGE="ncu",
+             SONIC_NCU_CONFIGS="OLMoE-7B,30B n256 E256 K16")
+    e.pop("SONIC_NCU_METRICS", None)
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "device.sh"), "sonic"], cwd=ROOT, env=e,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    runs = [x for x in r.stdout.splitlines() if "sonic_profile.py" in x]
+    assert len(runs) == 4, r.stdout
+    for line, (cfg, system) in zip(runs, [("OLMoE-7B", "ours"), ("OLMoE-7B", "sonicmoe"),
+                                          ("30B\\ n256\\ E256\\ K16", "ours"), ("30B\\ n256\\ E256\\ K16", "sonicmoe")]):
+        assert " ncu --target-processes all --profile-from-start off " in line, line
+        assert f"--ncu --configs {cfg} --systems {system} " in line, line
+        assert "--section LaunchStats" in line and "launch__cluster_dim_x" in line, line
+    d = tmp_path / "out" / "sonic" / "ncu"
+    assert (d / "manifest.tsv").read_text().splitlines() == [
+        "OLMoE-7B\tours\tOLMoE-7B.ours.csv", "OLMoE-7B\tsonicmoe\tOLMoE-7B.sonicmoe.csv",
+        "30B n256 E256 K16\tours\t30B_n256_E256_K16.ours.csv",
+        "30B n256 E256 K16\tsonicmoe\t30B_n256_E256_K16.sonicmoe.csv"]
+    imports = [x for x in r.stdout.splitlines() if "--page raw" in x]
+    assert len(imports) == 4 and imports[0].endswith(str(d / "OLMoE-7B.ours.csv")), imports
+    last = [x for x in r.stdout.splitlines() if x.startswith("+ ")][-2]
+    assert "sonic_ncu_report.py " + str(d) in last, last
 
 
 def test_sonic_run_stage_passes_the_alternating_rounds_only_when_asked(tmp_path):
