@@ -11,12 +11,14 @@
 #             libgtest-dev), CUTLASS from .deps/cutlass-<ver> (scripts/versions.env). When a later
 #             step needs the PyTorch extension, its build (pip install .) starts next to this one.
 #             BUILD_TARGETS='t1 t2': only those CMake targets (e.g. gather_sum_bench: seconds, not
-#             the ~70-110 s of everything)
+#             the ~70-110 s of everything). BUILD_PATCH='p1 p2': patches applied first (the tree stays
+#             patched for the call's later steps; a later build on the warm machine rebuilds their files)
 #   test      the GPU tests (test_gpu, TEST_FILTER selects; TEST_TIMEOUT, 400 s), the host tests (test_api:
 #             some take a GPU branch on the device) and the main job
 #             (smoe_main: the GPU routing check and one layer benchmark)
 #   sanitize  compute-sanitizer on small GPU tests: memcheck, racecheck, synccheck
-#             (SANITIZE_TOOLS picks, SANITIZE_TIMEOUT per tool, 300 s)
+#             (SANITIZE_TOOLS picks, SANITIZE_TIMEOUT per tool, 300 s; SANITIZE_FILTER replaces every
+#             tool's gtest filter, e.g. the tests of a patch's new kernels)
 #   bench     bench_layer and the torch baseline (bench/baselines/torch_baseline.py) on
 #             bench/configs/configs.json, merged by bench/reports/merge_results.py into
 #             $OUT/bench/layer.{json,md}; then the same for each <name> of BENCH_SWEEPS (default
@@ -39,7 +41,7 @@
 #             SONIC_STAGE=ncu (after warm, as run): each GEMM's launch configuration and throughputs under
 #             Nsight Compute, ours beside SonicMoE's, one ncu run per (config, system) of SONIC_NCU_CONFIGS
 #             (default 30B n256, 30B n512, Qwen3-Next) -> $OUT/sonic/ncu/{sonic_ncu.md,<config>.<system>.csv}
-#             (SONIC_NCU_METRICS, SONIC_NCU_FLAGS: extra ncu words).
+#             (SONIC_NCU_METRICS, SONIC_NCU_FLAGS: extra ncu words; SONIC_NCU_TIMEOUT, 300 s a run).
 #             Every stage seeds quack's autotune cache with bench/baselines/sonic_autotune/<card>/ and
 #             brings the cache's results back in $OUT/sonic/autotune/<card>/ (SONIC_AUTOTUNE_SEED=0: none copied in)
 #   tune      the engine tuner's evidence: for each configs file of TUNE_CONFIGS (default
@@ -325,6 +327,14 @@ step_build() {
     x touch -c $(cat "$BUILD/.ab_patched_files") || true
     x rm -f "$BUILD/.ab_patched_files"
   fi
+  # BUILD_PATCH: patches applied to the tree (in order) before this build, and recorded like an ab
+  # step's side B, so that a later call on this warm machine rebuilds their files from its clean tree.
+  local bp
+  [ -n "${BUILD_PATCH:-}" ] && { dry || mkdir -p "$BUILD"; }
+  for bp in ${BUILD_PATCH:-}; do
+    x git apply "$bp" || { say "BUILD_PATCH $bp does not apply"; return 1; }
+    dry || git apply --numstat "$bp" | cut -f3 >>"$BUILD/.ab_patched_files"
+  done
   x cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_COMPILER="$nvcc" -Wno-dev \
     ${gtest[@]+"${gtest[@]}"} -DSMOE_CUTLASS_DIR="$CUTLASS_SRC" || return 1
   # BUILD_TARGETS: only these CMake targets (a short call measuring one binary, e.g. gather_sum_bench).
@@ -364,6 +374,7 @@ step_sanitize() {
       synccheck) filter=$SAN_SYNCCHECK ;;
       *) say "unknown sanitizer tool $tool"; rc=1; continue ;;
     esac
+    filter="${SANITIZE_FILTER:-$filter}"
     say "---- $tool"
     xt "${SANITIZE_TIMEOUT:-300}" compute-sanitizer --tool "$tool" --error-exitcode 9 "$BUILD/test_gpu" \
       --gtest_filter="$filter" || rc=1
@@ -490,10 +501,11 @@ sonic_autotune_harvest() {
 # so the run's kernels in launch order name the GEMMs (bench/reports/sonic_ncu_report.py, from manifest.tsv).
 # Hardware metrics this ncu does not know are dropped first (an unknown --metrics name fails the run).
 sonic_ncu_metrics() {
-  local want="${SONIC_NCU_METRICS:-dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct,sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_elapsed,launch__cluster_dim_x}"
+  local want="${SONIC_NCU_METRICS-dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct,sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_elapsed,sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_elapsed,launch__cluster_dim_x}"
+  want="${want// /}"
   dry && { echo "$want"; return; }
   local known m keep=() ms=()
-  known="$(ncu --query-metrics 2>/dev/null | awk '{print $1}')"
+  known="$(timeout 60 ncu --query-metrics 2>/dev/null | awk '{print $1}')"
   [ -n "$known" ] || { echo "$want"; return; }
   IFS=',' read -r -a ms <<<"$want"
   for m in "${ms[@]}"; do
@@ -512,12 +524,18 @@ sonic_ncu() {
     tag=$(echo "$cfg" | tr -c 'A-Za-z0-9.\n-' '_')
     for sys in ours sonicmoe; do
       say "---- $cfg, $sys"
+      x rm -f "$rep/$tag.$sys.ncu-rep"  # an earlier call's report is never imported as this one's
+      local t; t=$(left); [ "$t" -gt "${SONIC_NCU_TIMEOUT:-300}" ] && t=${SONIC_NCU_TIMEOUT:-300}
       # shellcheck disable=SC2086  # SONIC_NCU_FLAGS: extra ncu words, e.g. --clock-control none
-      xt -a "$d/ncu_$tag.$sys.log" "$(left)" ncu --target-processes all --profile-from-start off -f -o "$rep/$tag.$sys" \
+      xt -a "$d/ncu_$tag.$sys.log" "$t" ncu --target-processes all --profile-from-start off -f -o "$rep/$tag.$sys" \
         --section SpeedOfLight --section LaunchStats ${metrics:+--metrics "$metrics"} ${SONIC_NCU_FLAGS:-} \
         python3 bench/drivers/sonic_profile.py --ncu --configs "$cfg" --systems "$sys" --out "$d" \
-        --commit "$COMMIT" || { rc=1; continue; }
-      x -o "$d/$tag.$sys.csv" ncu --import "$rep/$tag.$sys.ncu-rep" --csv --page raw || { rc=1; continue; }
+        --commit "$COMMIT" || { rc=1; tail -5 "$d/ncu_$tag.$sys.log"; continue; }
+      if ! dry && [ ! -s "$rep/$tag.$sys.ncu-rep" ]; then
+        say "$cfg, $sys: ncu wrote no report"; tail -5 "$d/ncu_$tag.$sys.log"; rc=1; continue
+      fi
+      x -o "$d/$tag.$sys.csv" ncu --import "$rep/$tag.$sys.ncu-rep" --csv --page raw --print-units base \
+        --print-kernel-base demangled || { rc=1; continue; }
       printf '%s\t%s\t%s\n' "$cfg" "$sys" "$tag.$sys.csv" >>"$d/manifest.tsv"
     done
   done
@@ -571,7 +589,13 @@ step_sonic() {
   if [ "$had_pp" = set ]; then export PYTHONPATH="$old_pp"; else unset PYTHONPATH; fi
   return $rc
 }
-summary_sonic() { tail -n 15 "$OUT"/sonic/*.log 2>/dev/null; grep -E "does not import|timed out|killed by SIGKILL|pip rc" "$1"; }
+summary_sonic() {
+  tail -n 15 "$OUT"/sonic/*.log 2>/dev/null
+  local f
+  for f in "$OUT"/sonic/ncu/ncu_*.log; do [ -f "$f" ] && grep -m5 -E "==ERROR==|==WARNING==|No kernels were profiled" "$f"; done
+  [ -s "$OUT/sonic/ncu/sonic_ncu.md" ] && head -60 "$OUT/sonic/ncu/sonic_ncu.md"
+  grep -E "does not import|timed out|killed by SIGKILL|pip rc" "$1"
+}
 
 step_ncu() {
   need_bin bench_layer ncu || return 1
@@ -816,8 +840,9 @@ step_ab() {
     xt -o "$d/digest_a.txt" 300 env ${env_a[@]+"${env_a[@]}"} "$STATE/digest_a" || rc=1
     for dn in "${dnames[@]}"; do
       for v in "${variants[@]}"; do [ "${v%%:*}" = "$dn" ] && break; v=; done
-      f="$d/digest_b.txt"
-      [ "$dn" = "${names[0]}" ] || f="$d/digest_$dn.txt"
+      # One digest compared (the default): digest_b.txt as always; several: digest_<variant>.txt each.
+      f="$d/digest_$dn.txt"
+      [ ${#dnames[@]} -eq 1 ] && f="$d/digest_b.txt"
       read -r -a env_b <<<"$(ab_vars "$v")"
       xt -o "$f" 300 env ${env_b[@]+"${env_b[@]}"} "$BUILD/layer_digest" || rc=1
       if ! dry; then

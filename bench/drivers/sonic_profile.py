@@ -62,6 +62,20 @@ def resumed(path, commit, gpu, iters):
     return doc
 
 
+def ncu_args_refusal(args):
+    """Why these arguments cannot run under --ncu, or None. One (config, system) per process: ncu's report
+    then holds that pair's kernels alone, in launch order, which is how the report names each GEMM."""
+    if not args.ncu:
+        return None
+    if args.resume:
+        return "--ncu and --resume: --ncu writes no tables to resume"
+    n_cfg = len([c for c in args.configs.split(",") if c])
+    n_sys = len([s for s in args.systems.split(",") if s])
+    if n_cfg != 1 or n_sys != 1:
+        return f"--ncu: one config and one system per process (got {n_cfg} and {n_sys}): ncu's report names no pair"
+    return None
+
+
 def profile_config(cfg, args, device, system):
     K = int(cfg["K"])
     params, dout = sbs.layer_inputs(cfg, args, device)
@@ -124,8 +138,9 @@ def main():
     ap.add_argument("--ncu", action="store_true",
                     help="one iteration between cudaProfilerStart / Stop after the warm-up, for ncu; no tables")
     args = ap.parse_args()
-    if args.ncu and args.resume:
-        sys.exit("--ncu and --resume: --ncu writes no tables to resume")
+    ncu_refusal = ncu_args_refusal(args)
+    if ncu_refusal:
+        sys.exit(ncu_refusal)
     systems = [x for x in args.systems.split(",") if x]
     bad = [x for x in systems if x not in ("sonicmoe", "ours")]
     if bad or not systems:

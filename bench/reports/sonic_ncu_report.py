@@ -12,7 +12,8 @@ its kernels in order name the GEMMs as sonic_profile_report.py does (SONIC_GEMM_
 What the columns say about a tile: the grid is the persistent CTA count (or the tile count when not
 persistent), the cluster the CTAs sharing an operand by multicast, the dynamic shared memory the pipeline's
 stages (and an epilogue's staging), the registers per thread the warpgroups' split. ncu locks the clocks to
-base by default, so times are lower than a profiler's; both systems are measured the same way.
+base and flushes the caches by default, so its times are longer than a profiler's; both systems are measured
+the same way. A run whose raw page cannot be read is named and left out; the others still report.
 """
 import argparse
 import os
@@ -39,6 +40,7 @@ METRICS = [
 TIME = "gpu__time_duration.sum"
 SMEM = "launch__shared_mem_per_block_dynamic"
 DRAM_READ = "dram__bytes_read.sum"
+DRAM_WRITE = "dram__bytes_write.sum"
 KB_SCALE = {"byte": 1 / 1024, "Kbyte": 1000 / 1024, "Mbyte": 1e6 / 1024}
 
 
@@ -64,16 +66,18 @@ def kernels(path):
         v = value(row, SMEM)  # ncu's Kbyte is 1000 bytes; the column is KiB
         unit = unit_of.get(SMEM, "byte").split("/")[0]
         k["smem KB"] = "-" if v is None else f"{v * KB_SCALE.get(unit, 1 / 1024):.0f}"
-        v = value(row, DRAM_READ)
-        k["DRAM rd GB"] = "-" if v is None else f"{v * BYTE_SCALE.get(unit_of.get(DRAM_READ, 'byte'), 1e-9):.2f}"
+        for col, name in (("DRAM rd GB", DRAM_READ), ("DRAM wr GB", DRAM_WRITE)):
+            v = value(row, name)
+            k[col] = "-" if v is None else f"{v * BYTE_SCALE.get(unit_of.get(name, 'byte'), 1e-9):.2f}"
         out.append(k)
     return out
 
 
 def read_manifest(folder):
-    """{config: {system: [kernels]}} in the manifest's order."""
+    """{config: {system: [kernels]}} in the manifest's order, and the runs that could not be read
+    [(config, system, why)]."""
     path = os.path.join(folder, "manifest.tsv")
-    runs = {}
+    runs, failed = {}, []
     for n, line in enumerate(open(path), 1):
         if not line.strip():
             continue
@@ -81,11 +85,15 @@ def read_manifest(folder):
         if len(parts) != 3 or parts[1] not in SYSTEMS:
             raise SystemExit(f"{path}:{n}: want 'config<TAB>ours|sonicmoe<TAB>csv', got {line.strip()!r}")
         cfg, system, csv_path = parts
-        runs.setdefault(cfg, {})[system] = kernels(os.path.join(folder, csv_path))
-    return runs
+        try:
+            runs.setdefault(cfg, {})[system] = kernels(os.path.join(folder, csv_path))
+        except (SystemExit, OSError) as e:
+            failed.append((cfg, system, str(e)))
+    return runs, failed
 
 
-COLUMNS = ["ms", "grid", "cluster", "block", "regs", "smem KB", "SM%", "tensor%", "DRAM%", "L2 hit%", "DRAM rd GB"]
+COLUMNS = ["ms", "grid", "cluster", "block", "regs", "smem KB", "SM%", "tensor%", "DRAM%", "L2 hit%", "DRAM rd GB",
+           "DRAM wr GB"]
 
 
 def config_lines(cfg, systems):
@@ -117,11 +125,15 @@ def config_lines(cfg, systems):
     return lines
 
 
-def report(runs):
+def report(runs, failed=()):
     lines = ["Each GEMM of one forward + backward under Nsight Compute (ncu's clocks), by launch order; "
              "`sonic / ours` > 1: ours is faster.", ""]
+    lines += [f"Not read: {cfg}, {system}: {why}" for cfg, system, why in failed]
+    if failed:
+        lines.append("")
     for cfg, systems in runs.items():
-        lines += config_lines(cfg, systems)
+        if systems:
+            lines += config_lines(cfg, systems)
     return "\n".join(lines)
 
 
@@ -130,7 +142,8 @@ def main():
     ap.add_argument("folder")
     ap.add_argument("--md")
     args = ap.parse_args()
-    text = report(read_manifest(args.folder))
+    runs, failed = read_manifest(args.folder)
+    text = report(runs, failed)
     if args.md:
         open(args.md, "w").write(text + "\n")
     print(text)

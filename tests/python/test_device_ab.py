@@ -69,8 +69,12 @@ def test_digest_variants_check_each_named_switch(tmp_path):
     assert r.returncode == 1
     assert "digest: off == a (bitwise)" in r.stdout and "digest: rule == a (bitwise)" in r.stdout
     assert "digest: odd DIFFERS from a" in r.stdout
-    assert (d / "digest_b.txt").exists() and (d / "digest_rule.txt").exists()
+    assert (d / "digest_off.txt").exists() and (d / "digest_rule.txt").exists()
     assert (d / "digest_odd.txt").read_text().strip() == "x 2"
+    # A later variant named b keeps its own file, not the first variant's digest_b.txt.
+    r, d = run_ab(tmp_path, "x ${FAKE_DIGEST:-1}", AB_VARIANTS="x:FAKE_DIGEST=2;b:", AB_DIGEST_VARIANTS="all")
+    assert "digest: x DIFFERS from a" in r.stdout and "digest: b == a (bitwise)" in r.stdout
+    assert (d / "digest_x.txt").read_text().strip() == "x 2" and (d / "digest_b.txt").read_text().strip() == "x 1"
     assert (d / "ab_rule_smoke_configs.md").exists()  # the rounds still ran
     r, d = run_ab(tmp_path, "x ${FAKE_DIGEST:-1}", AB_VARIANTS="off:;odd:FAKE_DIGEST=2", AB_DIGEST_VARIANTS="off")
     assert r.returncode == 0, r.stdout + r.stderr
@@ -192,6 +196,24 @@ def test_build_targets_limit_the_build(tmp_path):
     r = dry_run(tmp_path, "build")
     builds = [ln for ln in r.stdout.splitlines() if ln.startswith("+ cmake --build")]
     assert len(builds) == 1 and "--target" not in builds[0], r.stdout
+
+
+def test_build_patch_is_applied_in_order_before_the_build(tmp_path):
+    r = dry_run(tmp_path, "build", BUILD_PATCH="docs/wip/b.patch docs/wip/a.patch")
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("+ ")]
+    applies = [i for i, ln in enumerate(lines) if ln.startswith("+ git apply")]
+    assert [lines[i] for i in applies] == ["+ git apply docs/wip/b.patch", "+ git apply docs/wip/a.patch"], r.stdout
+    assert applies[-1] < next(i for i, ln in enumerate(lines) if ln.startswith("+ cmake -S"))
+    r = dry_run(tmp_path, "build")
+    assert "git apply" not in r.stdout
+
+
+def test_sanitize_filter_replaces_every_tools_filter(tmp_path):
+    r = dry_run(tmp_path, "sanitize", SANITIZE_TOOLS="racecheck synccheck", SANITIZE_FILTER="GpuLayer.SmallShapes*")
+    runs = [ln for ln in r.stdout.splitlines() if "compute-sanitizer" in ln]
+    assert len(runs) == 2 and all(ln.endswith("--gtest_filter=GpuLayer.SmallShapes\\*") for ln in runs), runs
+    r = dry_run(tmp_path, "sanitize", SANITIZE_TOOLS="racecheck")
+    assert "GpuEngine.DSwiGLUGathered" in next(ln for ln in r.stdout.splitlines() if "compute-sanitizer" in ln)
 
 
 def test_side_b_builds_the_targets_side_a_built(tmp_path):

@@ -57,7 +57,7 @@ def make(tmp_path, ours=OURS, sonic=SONIC):
     write(tmp_path / "c.sonicmoe.csv", sonic, 2)
     (tmp_path / "manifest.tsv").write_text("30B n256 E256 K16\tours\tc.ours.csv\n"
                                            "30B n256 E256 K16\tsonicmoe\tc.sonicmoe.csv\n")
-    return rep.report(rep.read_manifest(str(tmp_path)))
+    return rep.report(*rep.read_manifest(str(tmp_path)))
 
 
 def row(text, role, system):
@@ -69,7 +69,7 @@ def test_each_gemm_is_named_by_launch_order_with_its_launch_configuration(tmp_pa
     assert "## 30B n256 E256 K16" in text
     up = row(text, "up-proj", "ours").split(" | ")
     assert up[2:9] == ["3.000", "132", "1", "384", "168", "222", "71.5"]     # ms, grid, cluster, block, regs, KB, SM%
-    assert up[-2] == "1.25"                                                   # DRAM read GB
+    assert up[-3:-1] == ["1.25", "-"]                                         # DRAM read GB; write not collected
     assert row(text, "dX~", "SonicMoE").split(" | ")[2:4] == ["2.900", "132"]   # SonicMoE's 5th GEMM
     assert row(text, "dX~", "ours").split(" | ")[2] == "3.500"                # ours is the last
     dw1 = [l for l in text.splitlines() if l.startswith("| dW1 | ours |")]
@@ -86,6 +86,17 @@ def test_launches_that_do_not_fit_the_order_are_listed_not_guessed(tmp_path):
     assert "SonicMoE, every kernel in launch order:" in text
     assert not any(l.startswith("| up-proj | SonicMoE |") for l in text.splitlines())
     assert row(text, "up-proj", "ours")
+
+
+def test_a_run_that_cannot_be_read_is_named_and_the_others_still_report(tmp_path):
+    write(tmp_path / "c.ours.csv", OURS, 1)
+    (tmp_path / "c.sonicmoe.csv").write_text("==ERROR== the profiled process ran no kernel\n")
+    (tmp_path / "manifest.tsv").write_text("cfg\tours\tc.ours.csv\ncfg\tsonicmoe\tc.sonicmoe.csv\n"
+                                           "cfg2\tours\tmissing.csv\n")
+    text = rep.report(*rep.read_manifest(str(tmp_path)))
+    assert "Not read: cfg, sonicmoe: " in text and "Not read: cfg2, ours: " in text
+    assert row(text, "up-proj", "ours") and "## cfg2" not in text
+    assert any(l.startswith("| GEMM |") and "| DRAM wr GB |" in l for l in text.splitlines())
 
 
 def test_a_bad_manifest_line_is_refused(tmp_path):

@@ -36,3 +36,13 @@ def test_launch_order_takes_the_first_of_identical_iterations():
     assert sp.launch_order(events, 2) == [{"name": "a", "ms": 1.0}, {"name": "b", "ms": 2.0}]
     assert sp.launch_order(events[:3], 2) is None  # uneven: the iterations differed
     assert sp.launch_order([], 5) is None
+
+
+def test_ncu_runs_one_config_and_one_system_per_process():
+    import argparse
+    ns = lambda **k: argparse.Namespace(**dict(dict(ncu=True, resume=None, configs="OLMoE-7B", systems="ours"), **k))
+    assert sp.ncu_args_refusal(ns()) is None
+    assert sp.ncu_args_refusal(ns(ncu=False, configs="a,b", systems="ours,sonicmoe")) is None
+    assert "one config and one system" in sp.ncu_args_refusal(ns(configs="OLMoE-7B,30B n256 E256 K16"))
+    assert "one config and one system" in sp.ncu_args_refusal(ns(systems="sonicmoe,ours"))
+    assert "--resume" in sp.ncu_args_refusal(ns(resume="prev.json"))
