@@ -798,6 +798,8 @@ step_ab() {
   if [ "${AB_DIGEST:-1}" != 0 ] && { dry || [ -x "$BUILD/layer_digest" ]; }; then
     digest=1
     x cp "$BUILD/layer_digest" "$STATE/digest_a" || return 1
+  elif [ "${AB_DIGEST:-1}" != 0 ]; then
+    say "ab: no $BUILD/layer_digest (BUILD_TARGETS?): no digest compared"
   fi
   # AB_PATCH: one patch, or several (space-separated) applied in that order on top of each other,
   # reverted in the reverse order.
