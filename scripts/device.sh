@@ -879,6 +879,7 @@ step_ab() {
           --configs "$f" --warmup "$w" --reps "$r" --commit "$COMMIT" --out "$d/${name}_${stem}_$i.json" || rc=1
       done
     done
+    pack_out  # each finished round in 00-all.tgz: a call cut at its limit still returns the rounds it ran
   done
   local gpu="GPU"
   dry || gpu="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)"
