@@ -304,6 +304,14 @@ torch_ext() {  # wait for it (or build it now); its status
   [ "$rc" = 0 ] || { tail -20 "$OUT/torch_ext.log" 2>/dev/null; return 1; }
 }
 
+# git apply PATCH, its files recorded in $BUILD/.ab_patched_files: the next build step on this (warm)
+# machine then rebuilds them from the clean tree a later call copies in (step_build).
+apply_recorded() {
+  x git apply "$1" || return 1
+  dry && return 0
+  mkdir -p "$BUILD" && git apply --numstat "$1" | cut -f3 >>"$BUILD/.ab_patched_files"
+}
+
 # ---- steps ---------------------------------------------------------------------------------------
 step_build() {
   cutlass_headers || return 1
@@ -330,10 +338,8 @@ step_build() {
   # BUILD_PATCH: patches applied to the tree (in order) before this build, and recorded like an ab
   # step's side B, so that a later call on this warm machine rebuilds their files from its clean tree.
   local bp
-  [ -n "${BUILD_PATCH:-}" ] && { dry || mkdir -p "$BUILD"; }
   for bp in ${BUILD_PATCH:-}; do
-    x git apply "$bp" || { say "BUILD_PATCH $bp does not apply"; return 1; }
-    dry || git apply --numstat "$bp" | cut -f3 >>"$BUILD/.ab_patched_files"
+    apply_recorded "$bp" || { say "BUILD_PATCH $bp does not apply"; return 1; }
   done
   x cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_COMPILER="$nvcc" -Wno-dev \
     ${gtest[@]+"${gtest[@]}"} -DSMOE_CUTLASS_DIR="$CUTLASS_SRC" || return 1
@@ -808,10 +814,8 @@ step_ab() {
   unapply() { local i; for ((i = ${#applied[@]} - 1; i >= 0; i--)); do x git apply -R "${applied[i]}" || return 1; done; }
   if [ ${#patches[@]} -gt 0 ]; then
     for p in "${patches[@]}"; do
-      x git apply "$p" || { say "AB_PATCH $p does not apply"; unapply; return 1; }
+      apply_recorded "$p" || { say "AB_PATCH $p does not apply"; unapply; return 1; }
       applied+=("$p")
-      # The next build step (this machine may stay warm) must rebuild what side B changed.
-      dry || git apply --numstat "$p" | cut -f3 >>"$BUILD/.ab_patched_files"
     done
     # Side B builds what side A's build step did (BUILD_TARGETS) and always what the A/B runs of it
     # (bench_layer, layer_digest when compared, test_gpu for AB_TEST_FILTER): a patch's A/B then rebuilds
@@ -841,7 +845,7 @@ step_ab() {
   if [ "$digest" = 1 ]; then
     xt -o "$d/digest_a.txt" 300 env ${env_a[@]+"${env_a[@]}"} "$STATE/digest_a" || rc=1
     for dn in "${dnames[@]}"; do
-      for v in "${variants[@]}"; do [ "${v%%:*}" = "$dn" ] && break; v=; done
+      for v in "${variants[@]}"; do [ "${v%%:*}" = "$dn" ] && break; done  # names checked above
       # One digest compared (the default): digest_b.txt as always; several: digest_<variant>.txt each.
       f="$d/digest_$dn.txt"
       [ ${#dnames[@]} -eq 1 ] && f="$d/digest_b.txt"

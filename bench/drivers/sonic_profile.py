@@ -79,7 +79,6 @@ def ncu_args_refusal(args):
 def profile_config(cfg, args, device, system):
     K = int(cfg["K"])
     params, dout = sbs.layer_inputs(cfg, args, device)
-    x, w_router, w1i, w2 = params
     stream = torch.cuda.current_stream().cuda_stream
     if system == "ours":
         import smoe_torch  # noqa: F401  (registers the op's autograd)
@@ -90,9 +89,7 @@ def profile_config(cfg, args, device, system):
         if system == "ours":
             out = sbs.ours_forward(params, K)
         else:
-            out = sbs.sonicmoe.moe_TC_softmax_topk_layer(x, w_router, w1i.permute(1, 2, 0), None,
-                                                         w2.permute(1, 2, 0), None, K, stream,
-                                                         sbs.ActivationType.SWIGLU, False)[0]
+            out = sbs.sonic_forward(params, K, stream)
         out.backward(dout)
 
     t0 = time.time()
